@@ -1,0 +1,164 @@
+"""The KV block pool: the one owner of every KV cache block.
+
+Free blocks wait in an LRU queue (a doubly linked list, so a block that gets a prefix-cache hit
+leaves the middle of the queue in O(1)). A full block may carry a chained hash (its parent's hash
+plus its own token ids); a freed block keeps that hash until the pool hands it out again
+(lazy eviction), so a later request with the same prefix can pick it back up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+# (parent block's hash, this block's token ids): a tuple, so a dict lookup compares the token ids
+# themselves and two different blocks never share an entry through a hash collision.
+BlockHash = tuple[int, tuple[int, ...]]
+NO_PARENT = 0
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chains one full block's token ids onto its parent's hash."""
+    return (hash(parent) if parent is not None else NO_PARENT, tuple(token_ids))
+
+
+class KVCacheBlock:
+    """One block of `block_size` token slots in every layer's K and V tensors."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Free blocks, least recently freed first; O(1) append, pop and removal from the middle."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels: no None checks on the hot path
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        """Takes the least recently freed block."""
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise ValueError("no free KV cache blocks left")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlinks a block from wherever it sits in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Puts a block at the most-recently-freed end."""
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def block_ids(self) -> list[int]:
+        """Free block ids in eviction order (for tests and debugging)."""
+        ids, block = [], self._head.next_free
+        while block is not None and block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next_free
+        return ids
+
+
+class BlockPool:
+    """Allocates, shares, caches and frees KV blocks; counts prefix-cache queries and hits."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no owner (cached or not)."""
+        return self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        """Share of blocks held by live requests, 0.0 to 1.0 (vLLM's kv_cache_usage)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block holding exactly this prefix, if it is still cached."""
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Takes a reference on cache hits, pulling free ones out of the eviction queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Hands out fresh blocks, evicting their old cached contents only now."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        new_blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            new_blocks.append(block)
+        return new_blocks
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Registers a full, computed block under its chained hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # If an identical block is already cached, keep the older entry; this one is then
+        # simply not findable, which is harmless.
+        self.cached.setdefault(block_hash, block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference per block; a block reaching zero joins the free queue's tail.
+
+        Callers pass a request's blocks in reverse, so its tail blocks (least likely to be
+        shared by another prompt) are evicted before its head blocks.
+        """
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"{block} freed more often than taken"
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached hash (blocks in use keep their data)."""
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None

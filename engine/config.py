@@ -1,0 +1,182 @@
+"""Engine configuration: the model's shape (`ModelConfig`) and the operator's knobs (`EngineArgs`).
+
+`EngineArgs` is the one explicit struct built from the CLI or the Python API and passed down;
+nothing reads environment variables to change behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
+                 "fp16": "float16"}
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+# CPU KV budget when neither --kv-cache-memory-bytes nor a GPU is there: 4 GiB, small enough to
+# leave room for weights, activations and the OS on a 16-24 GiB machine.
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the engine needs, read from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Builds a ModelConfig from a parsed config.json (transformers 4 or 5 spelling)."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; kvserve serves "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                              else None)
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch ==
+                                                      "MistralForCausalLM") else None
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            rope_scaling=scaling,
+            sliding_window=int(window) if window else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ModelConfig:
+        """Reads `config.json` from an HF checkpoint folder."""
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"{path} is not a model folder: it has no config.json")
+        return cls.from_hf_config(json.loads(cfg_path.read_text()))
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """The seed's formula: 2 (K and V) x layers x kv_heads x head_dim x element bytes."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_bytes
+
+    def num_params(self) -> int:
+        """Parameter count from the shapes alone (no weights loaded)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        layer = attn + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embed + h
+
+
+@dataclass
+class EngineArgs:
+    """Every engine knob, spelled as vLLM spells its flags."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    num_threads: int | None = None
+    attention_backend: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
+        """Builds EngineArgs, rejecting unknown keyword arguments by name."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(names)}")
+        args = cls(model=model, **kwargs)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        """Raises ValueError naming the bad field and what to change."""
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        self.dtype = dtype
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two from 1 to 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got "
+                             f"{self.attention_backend!r}")
+
+    def resolved_device(self) -> torch.device:
+        """`auto` means CUDA when present, else CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        """`auto` picks bfloat16 on CUDA and float32 on CPU (see README: dtype on CPU)."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]

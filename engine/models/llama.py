@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat variable-length token batch.
+
+Attention goes through `kernels/` ops on a paged KV cache; everything else is plain torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.rope import RotaryEmbedding
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as transformers' LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused q/k/v projection."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = RotaryEmbedding.apply(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = RotaryEmbedding.apply(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        self.backend.reshape_and_cache(k, v, k_cache, v_cache, meta)
+        out = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU with fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residuals."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder; `forward` returns final hidden states, `compute_logits` the logits."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_model_len: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg, max_model_len, device)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors in, fusing q/k/v and gate/up on the way."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target, offset = self._map_name(hf_name)
+            if target is None:
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {hf_name} has no place in the model")
+            param = params[target]
+            rows = tensor.shape[0]
+            with torch.no_grad():
+                param.data[offset:offset + rows].copy_(tensor.to(param.dtype))
+            loaded.add(f"{target}@{offset}")
+        self._check_complete(loaded)
+
+    def _map_name(self, hf_name: str) -> tuple[str | None, int]:
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name:
+            return None, 0
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None, 0
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", q),
+                 "v_proj": ("qkv_proj", q + kv), "gate_proj": ("gate_up_proj", 0),
+                 "up_proj": ("gate_up_proj", cfg.intermediate_size)}
+        for part, (fused_name, offset) in fused.items():
+            if f".{part}." in name:
+                return name.replace(part, fused_name), offset
+        return name, 0
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        names = {n for n, _ in self.named_parameters()}
+        loaded_names = {key.split("@")[0] for key in loaded}
+        missing = sorted(names - loaded_names)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+        expected_parts = 3 * len(self.layers) * (2 if self.config.attention_bias else 1)
+        fused_parts = sum(1 for key in loaded if "qkv_proj" in key)
+        if fused_parts != expected_parts:
+            raise ValueError("checkpoint lacks some q/k/v projection weights")

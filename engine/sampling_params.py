@@ -1,0 +1,99 @@
+"""Per-request sampling parameters, validated up front so bad input fails before it is queued."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """What to sample and when to stop, with vLLM's names and defaults."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:  # OpenAI clients send 0 for "no top-k"
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the parameter and the accepted range."""
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+               f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                   f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+               f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens,
+                   f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop must be a list of non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 (or top_k 1) means argmax."""
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Whether any output-history penalty applies."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_filtering(self) -> bool:
+        """Whether top-k / top-p / min-p truncation applies."""
+        return self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,1 @@
+"""Attention ops over the paged KV cache: torch twins (CPU path and test oracle)."""

@@ -1,0 +1,164 @@
+"""Paged attention ops over a flat variable-length batch, torch implementation.
+
+The torch versions here are the CPU path and the oracle the Triton kernels are tested against.
+KV cache layout per layer: k_cache, v_cache of shape [num_blocks, block_size, num_kv_heads,
+head_dim]. A batch mixes prefill chunks (q_len > 1, attending causally over a cached prefix)
+and decodes (q_len == 1); both read their keys through the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, built once by the model runner and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 marks padding that writes nowhere
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32 (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [num_seqs] int32: cached prefix + this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    block_size: int
+    sliding_window: int | None = None
+    has_padding: bool = False
+    _torch_plan: _TorchPlan | None = field(default=None, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch."""
+        return len(self.query_lens_list)
+
+
+@dataclass
+class _TorchPlan:
+    """Index tensors for the torch path, derived once per step from the metadata."""
+
+    decode_rows: torch.Tensor  # [num_decodes] token index of each decode
+    decode_block_tables: torch.Tensor  # [num_decodes, num_blocks_needed]
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, num_blocks_needed * block_size], True = hide
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (start, end, slots, mask)
+
+
+class AttentionBackend(Protocol):
+    """The two ops a model layer needs; the torch and Triton backends share this shape."""
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata) -> None: ...
+
+    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes key/value [num_tokens, kv_heads, head_dim] into their slots; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a mixed batch: query [num_tokens, heads, head_dim] -> same shape."""
+    plan = meta._torch_plan or _build_plan(meta, k_cache.device)
+    meta._torch_plan = plan
+    out = torch.empty_like(query)
+    if plan.decode_rows.numel():
+        out[plan.decode_rows] = _decode(query[plan.decode_rows], k_cache, v_cache, plan, scale)
+    for start, end, slots, mask in plan.prefills:
+        out[start:end] = _prefill(query[start:end], k_cache, v_cache, slots, mask, scale)
+    return out
+
+
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            plan: _TorchPlan, scale: float) -> torch.Tensor:
+    """Batched single-token attention over each sequence's gathered blocks."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # [num_seqs, kv_heads, ctx, head_dim]
+    keys = k_cache[plan.decode_block_tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
+    values = v_cache[plan.decode_block_tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [seqs, kv, group, ctx]
+    scores.masked_fill_(plan.decode_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+
+
+def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One prefill chunk attending causally over its cached prefix and itself."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).to(query.dtype)
+    values = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).to(query.dtype)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+        attn_mask=mask, scale=scale, enable_gqa=True)  # [1, heads, q_len, head_dim]
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _build_plan(meta: AttentionMetadata, device: torch.device) -> _TorchPlan:
+    starts = meta.query_start_loc.tolist()
+    decode_seqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
+    prefills = [_prefill_entry(meta, i, starts[i], device)
+                for i, n in enumerate(meta.query_lens_list) if n > 1]
+    rows = torch.tensor([starts[i] for i in decode_seqs], dtype=torch.long, device=device)
+    if not decode_seqs:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return _TorchPlan(empty, empty, empty.bool(), prefills)
+    ctx = [meta.seq_lens_list[i] for i in decode_seqs]
+    num_blocks = -(-max(ctx) // meta.block_size)
+    tables = meta.block_tables[rows.new_tensor(decode_seqs), :num_blocks].long()
+    key_pos = torch.arange(num_blocks * meta.block_size, device=device)
+    ctx_t = torch.tensor(ctx, device=device)[:, None]
+    hide = key_pos[None, :] >= ctx_t
+    if meta.sliding_window is not None:
+        hide |= key_pos[None, :] <= ctx_t - 1 - meta.sliding_window
+    return _TorchPlan(rows, tables, hide[:, None, None, :], prefills)
+
+
+def _prefill_entry(meta: AttentionMetadata, seq: int, start: int, device: torch.device
+                   ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    q_len, ctx = meta.query_lens_list[seq], meta.seq_lens_list[seq]
+    num_blocks = -(-ctx // meta.block_size)
+    table = meta.block_tables[seq, :num_blocks].long()
+    offsets = torch.arange(meta.block_size, device=device)
+    slots = (table[:, None] * meta.block_size + offsets[None, :]).flatten()[:ctx]
+    key_pos = torch.arange(ctx, device=device)
+    query_pos = torch.arange(ctx - q_len, ctx, device=device)
+    visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, ctx], True = attend
+    if meta.sliding_window is not None:
+        visible &= key_pos[None, :] > query_pos[:, None] - meta.sliding_window
+    return start, start + q_len, slots, visible
+
+
+class TorchAttentionBackend:
+    """The CPU path: plain torch ops over the paged cache."""
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Writes this step's K/V into the cache."""
+        reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention over the cache for the mixed batch."""
+        return unified_attention(query, k_cache, v_cache, meta, scale)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` is Triton on CUDA and torch on CPU (Triton arrives with the kernels work)."""
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend()
+    raise ValueError(f"attention backend {name!r} is not available in this build; use torch")

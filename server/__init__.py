@@ -1,0 +1,1 @@
+"""kvserve's command line (and, with the server work, the HTTP front)."""
