@@ -156,6 +156,10 @@ class BlockPool:
             block.block_hash = None
         self.cached.clear()
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Removes a block's hash entry (its contents are not to be trusted)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -100,13 +100,18 @@ class KVCacheManager:
             blocks.extend(self.pool.get_new_blocks(needed))
         return True
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Registers the request's full, computed blocks under their chained hashes."""
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Registers the blocks that `num_tokens` tokens fill, under their chained hashes.
+
+        Called when a step is scheduled, before its KV is written: a request admitted in the
+        same step may already share them, because every layer writes the step's K/V before
+        it reads the cache. If that step fails, `discard_uncomputed` takes the entries back.
+        """
         if not self.enable_caching:
             return
         rid = request.request_id
         blocks = self.req_blocks.get(rid, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        num_full = min(num_tokens // self.block_size, len(blocks))
         start = self.num_cached_blocks.get(rid, 0)
         if num_full <= start:
             return
@@ -114,6 +119,12 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
+
+    def discard_uncomputed(self, request: Request) -> None:
+        """Uncaches blocks whose KV a failed step never wrote, so no one hits garbage."""
+        for block in self.req_blocks.get(request.request_id, [])[
+                request.num_computed_tokens // self.block_size:]:
+            self.pool.uncache(block)
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks, tail first, so head blocks stay cached longest."""

