@@ -87,9 +87,10 @@ _SCALARS = {
     GGUFValueType.BOOL: struct.Struct("<?"),
 }
 TOKENIZER_CACHE_SUBDIR = Path("kvserve", "tokenizers")
-# 1024 blocks of 32 values: 128 KiB of float32 per temporary, which stays in cache; measured
-# ~3x faster than whole-tensor ops and than gguf's numpy dequantizer on SmolLM2's Q4_1 tensors.
-DEQUANTIZE_CHUNK_BLOCKS = 1024
+# Dequantizing in chunks of at most torch's intra-op grain size (at::internal::GRAIN_SIZE) keeps
+# temporaries in cache and every op on the calling thread: parallel dispatch of such small ops
+# costs more than it saves, and stalls for ~8 ms per op when another process holds a core.
+DEQUANTIZE_CHUNK_VALUES = 32768
 
 
 @dataclass(frozen=True)
@@ -412,15 +413,16 @@ def dequantize_raw(raw: torch.Tensor, kind: GGMLQuantizationType,
 
 
 def _dequantize_blocks(raw: torch.Tensor, kind: GGMLQuantizationType) -> torch.Tensor:
-    """Runs the type's block dequantizer over cache-sized chunks of blocks, in place.
+    """Runs the type's block dequantizer over chunks of blocks, writing into one output.
 
     On whole tensors the temporaries fall out of cache and this is slower than gguf's numpy.
     """
     block_size, type_size = GGML_QUANT_SIZES[kind]
     blocks = raw.view(-1, type_size)  # [num_blocks, type_size]
     values = torch.empty(blocks.shape[0], block_size)  # [num_blocks, block_size]
-    for start in range(0, blocks.shape[0], DEQUANTIZE_CHUNK_BLOCKS):
-        chunk = slice(start, start + DEQUANTIZE_CHUNK_BLOCKS)
+    chunk_blocks = DEQUANTIZE_CHUNK_VALUES // block_size
+    for start in range(0, blocks.shape[0], chunk_blocks):
+        chunk = slice(start, start + chunk_blocks)
         _BLOCK_DEQUANTIZERS[kind](blocks[chunk], values[chunk])
     return values
 

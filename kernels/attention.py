@@ -57,10 +57,11 @@ class AttentionBackend(Protocol):
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      has_padding: bool = True) -> None:
     """Writes key/value [num_tokens, kv_heads, head_dim] into their slots; slot -1 is skipped."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if has_padding:
+        keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
@@ -149,7 +150,7 @@ class TorchAttentionBackend:
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Writes this step's K/V into the cache."""
-        reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
