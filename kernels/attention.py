@@ -42,7 +42,7 @@ class _TorchPlan:
 
     decode_rows: torch.Tensor  # [num_decodes] token index of each decode
     decode_block_tables: torch.Tensor  # [num_decodes, num_blocks_needed]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, num_blocks_needed * block_size], True = hide
+    decode_visible: torch.Tensor  # [num_decodes, 1, 1, num_blocks_needed * block_size]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (start, end, slots, mask)
 
 
@@ -86,15 +86,15 @@ def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Batched single-token attention over each sequence's gathered blocks."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     # [num_seqs, kv_heads, ctx, head_dim]
     keys = k_cache[plan.decode_block_tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
     values = v_cache[plan.decode_block_tables].flatten(1, 2).transpose(1, 2).to(query.dtype)
-    q = query.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [seqs, kv, group, ctx]
-    scores.masked_fill_(plan.decode_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+    # The query heads sharing a KV head become that head's "query rows": GQA without
+    # repeating K/V, and one fused SDPA call instead of matmul/mask/softmax/matmul.
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.decode_visible,
+                                         scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -123,10 +123,10 @@ def _build_plan(meta: AttentionMetadata, device: torch.device) -> _TorchPlan:
     tables = meta.block_tables[rows.new_tensor(decode_seqs), :num_blocks].long()
     key_pos = torch.arange(num_blocks * meta.block_size, device=device)
     ctx_t = torch.tensor(ctx, device=device)[:, None]
-    hide = key_pos[None, :] >= ctx_t
+    visible = key_pos[None, :] < ctx_t
     if meta.sliding_window is not None:
-        hide |= key_pos[None, :] <= ctx_t - 1 - meta.sliding_window
-    return _TorchPlan(rows, tables, hide[:, None, None, :], prefills)
+        visible &= key_pos[None, :] > ctx_t - 1 - meta.sliding_window
+    return _TorchPlan(rows, tables, visible[:, None, None, :], prefills)
 
 
 def _prefill_entry(meta: AttentionMetadata, seq: int, start: int, device: torch.device
