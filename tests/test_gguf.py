@@ -7,26 +7,37 @@ equality with its parameters proves the Q/K permutation inverse and the name map
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader, GGUFWriter, RopeScalingType
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, RopeScalingType
+from gguf.quants import dequantize, quantize
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+from transformers import PreTrainedTokenizerBase as Tokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine import gguf_loader
 from engine.gguf_loader import (
+    GGUFArray,
     default_model_path,
+    dequantize_raw,
     hf_tensor_name,
     is_gguf_file,
     iter_gguf_weights,
     load_gguf_tokenizer,
     read_gguf_config,
+    read_gguf_header,
+    tokenizer_cache_dir,
     unpermute_rope_rows,
 )
+
+Q = GGMLQuantizationType
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +60,42 @@ def hf_state_dict(hf_model: PreTrainedModel) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def our_weights(model_path: Path) -> dict[str, torch.Tensor]:
     return dict(iter_gguf_weights(model_path))
+
+
+@pytest.fixture(scope="module")
+def gguf_reader(model_path: Path) -> GGUFReader:
+    """gguf's own reader (slow: it decodes the whole vocabulary), the oracle for our parser."""
+    return GGUFReader(model_path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """XDG_CACHE_HOME in a temporary folder, so tests neither read nor fill the user's cache."""
+    root = tmp_path_factory.mktemp("xdg_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def converted_tokenizer(model_path: Path, tokenizer_cache: Path) -> Tokenizer:
+    """The first load: transformers converts the GGUF vocabulary, and the result is cached."""
+    assert not tokenizer_cache_dir(model_path).exists()
+    tokenizer = load_gguf_tokenizer(model_path)
+    assert tokenizer_cache_dir(model_path).is_dir()
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def cached_tokenizer(model_path: Path, converted_tokenizer: Tokenizer) -> Tokenizer:
+    """The second load, which must come from the cache folder: converting again would fail."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_loader, "_convert_tokenizer", _conversion_not_expected)
+        return load_gguf_tokenizer(model_path)
+
+
+def _conversion_not_expected(path: Path) -> Tokenizer:
+    raise AssertionError(f"{path} was converted although its tokenizer is cached")
 
 
 def test_config_matches_transformers(model_path: Path, hf_model: PreTrainedModel) -> None:
@@ -89,10 +136,10 @@ def test_every_weight_equals_transformers(our_weights: dict[str, torch.Tensor],
         assert torch.allclose(tensor, expected, rtol=0, atol=1e-6), name
 
 
-def test_permutation_is_really_exercised(model_path: Path,
+def test_permutation_is_really_exercised(gguf_reader: GGUFReader,
                                          hf_state_dict: dict[str, torch.Tensor]) -> None:
     """The raw GGUF q/k rows differ from HF's, so the equality above depends on the inverse."""
-    reader = GGUFReader(model_path)
+    reader = gguf_reader
     for gguf_name, num_heads in (("blk.0.attn_q.weight", 9), ("blk.0.attn_k.weight", 3)):
         tensor = reader.get_tensor(_tensor_index(reader, gguf_name))
         raw = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type)))
@@ -106,8 +153,10 @@ def _tensor_index(reader: GGUFReader, name: str) -> int:
     return next(i for i, t in enumerate(reader.tensors) if t.name == name)
 
 
-def test_tokenizer_round_trips_and_has_chat_template(model_path: Path) -> None:
-    tokenizer = load_gguf_tokenizer(model_path)
+@pytest.mark.parametrize("which", ["converted_tokenizer", "cached_tokenizer"])
+def test_tokenizer_round_trips_and_has_chat_template(which: str,
+                                                     request: pytest.FixtureRequest) -> None:
+    tokenizer = request.getfixturevalue(which)
     text = "Hello, world! Paged attention keeps KV blocks small. 123"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) > 5
@@ -117,6 +166,87 @@ def test_tokenizer_round_trips_and_has_chat_template(model_path: Path) -> None:
     assert isinstance(rendered, str)
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in rendered
     assert rendered.endswith("<|im_start|>assistant\n")
+
+
+# A mix that exercises byte-level BPE: leading spaces, tabs, digits, contractions, non-ASCII,
+# emoji, special tokens written as text, and the empty string.
+TOKENIZER_PROBES = ["Hello, world!", "  two leading spaces\n\ttab", "don't we'll 3.14159 2024",
+                    "ünïcödé 日本語 🤖", "<|im_start|>user\nhi<|im_end|>", ""]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+
+
+def test_cached_tokenizer_equals_fresh_conversion(converted_tokenizer: Tokenizer,
+                                                  cached_tokenizer: Tokenizer) -> None:
+    fresh, cached = converted_tokenizer, cached_tokenizer
+    assert type(cached) is type(fresh)
+    # The whole tokenizers pipeline (normalizer, pre-tokenizer, BPE vocab and merges, decoder).
+    assert cached.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
+    assert cached.chat_template == fresh.chat_template and fresh.chat_template
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token", "all_special_tokens"):
+        assert getattr(cached, attr) == getattr(fresh, attr), attr
+    assert (fresh.bos_token, fresh.eos_token) == ("<|im_start|>", "<|im_end|>")
+    rendered = fresh.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert cached.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == rendered
+    for text in [*TOKENIZER_PROBES, rendered]:
+        for add_special_tokens in (False, True):
+            ids = fresh.encode(text, add_special_tokens=add_special_tokens)
+            assert cached.encode(text, add_special_tokens=add_special_tokens) == ids, text
+            assert cached.decode(ids) == fresh.decode(ids)
+            assert (cached.decode(ids, skip_special_tokens=True)
+                    == fresh.decode(ids, skip_special_tokens=True))
+
+
+def test_tokenizer_cache_is_a_saved_tokenizer_folder(model_path: Path, tokenizer_cache: Path,
+                                                     converted_tokenizer: Tokenizer) -> None:
+    folder = tokenizer_cache_dir(model_path)
+    assert folder.parent == tokenizer_cache / "kvserve" / "tokenizers"
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {f.name for f in folder.iterdir()}
+    assert [f.name for f in folder.parent.iterdir()] == [folder.name]  # no staging leftovers
+
+
+def test_tokenizer_cache_key_follows_the_file(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = _write_gguf(tmp_path / "m.gguf", "llama", _tiny_layer_tensors(False))
+    first = tokenizer_cache_dir(path)
+    assert first.parent == tmp_path / "xdg" / "kvserve" / "tokenizers"
+    assert tokenizer_cache_dir(str(path)) == first
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert tokenizer_cache_dir(path) != first  # an edited or replaced file converts afresh
+
+
+def test_tokenizer_cache_root_without_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write_gguf(tmp_path / "m.gguf", "llama", _tiny_layer_tensors(False))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for xdg in (None, "", "relative/cache"):  # the XDG spec says to ignore relative paths
+        if xdg is None:
+            monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        else:
+            monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        root = tmp_path / "home" / ".cache" / "kvserve" / "tokenizers"
+        assert tokenizer_cache_dir(path).parent == root
+
+
+def test_unwritable_cache_converts_every_time(model_path: Path, tmp_path: Path,
+                                              converted_tokenizer: Tokenizer,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")  # a file where the cache folder should go: mkdir fails, even as root
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    conversions: list[Path] = []
+
+    def convert(path: Path) -> Tokenizer:
+        conversions.append(path)
+        return converted_tokenizer
+
+    monkeypatch.setattr(gguf_loader, "_convert_tokenizer", convert)
+    with caplog.at_level(logging.WARNING, logger="kvserve"):
+        assert load_gguf_tokenizer(model_path) is converted_tokenizer
+        assert load_gguf_tokenizer(model_path) is converted_tokenizer
+    assert len(conversions) == 2 and blocker.is_file()
+    assert "not writable" in caplog.text
 
 
 def test_default_model_path_points_to_a_gguf(model_path: Path) -> None:
@@ -155,8 +285,13 @@ def test_unknown_tensor_name_is_an_error() -> None:
 
 
 def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray],
-                extra: dict[str, Any] | None = None) -> Path:
-    """A tiny GGUF: 2 layers, hidden 16, 2 heads of 8, 1 KV head, and any extra typed keys."""
+                extra: dict[str, Any] | None = None,
+                raw_tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
+                ) -> Path:
+    """A tiny GGUF: 2 layers, hidden 16, 2 heads of 8, 1 KV head, and any extra typed keys.
+
+    `raw_tensors` are already quantized (gguf.quants.quantize output) and stored as they are.
+    """
     writer = GGUFWriter(path, arch)
     writer.add_block_count(2)
     writer.add_embedding_length(16)
@@ -169,6 +304,8 @@ def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray],
         getattr(writer, key)(value)
     for name, array in tensors.items():
         writer.add_tensor(name, array)
+    for name, (stored, kind) in (raw_tensors or {}).items():
+        writer.add_tensor(name, stored, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -267,3 +404,97 @@ def test_llama3_rope_freqs_tensor_becomes_rope_scaling(tmp_path: Path, factor: f
     fitted = _llama3_inv_freq(head_dim, theta, scaling)
     assert torch.allclose(fitted, _llama3_inv_freq(head_dim, theta, truth), rtol=1e-4)
     assert "rope_freqs.weight" not in {name for name, _ in iter_gguf_weights(path)}
+
+
+# --- the header parser and the dequantizer against gguf's reader and gguf.quants ---------
+
+
+def test_header_matches_gguf_reader(model_path: Path, gguf_reader: GGUFReader) -> None:
+    header = read_gguf_header(model_path)
+    keys = [k for k in gguf_reader.fields if not k.startswith("GGUF.")]
+    assert list(header.metadata) == keys
+    for key in keys:
+        field, value = gguf_reader.fields[key], header.metadata[key]
+        if isinstance(value, GGUFArray):
+            assert (value.item_type, value.count) == (field.types[-1], len(field.data)), key
+        else:
+            assert value == field.contents() and type(value) is type(field.contents()), key
+    assert header.metadata["tokenizer.ggml.tokens"] == GGUFArray(GGUFValueType.STRING, 49152)
+    ours = [(t.name, t.tensor_type, t.shape, t.offset, t.num_bytes) for t in header.tensors]
+    theirs = [(t.name, t.tensor_type, tuple(reversed(t.shape.tolist())), t.data_offset,
+               int(t.n_bytes)) for t in gguf_reader.tensors]
+    assert ours == theirs
+
+
+def test_dequantizer_equals_gguf_on_every_tensor(gguf_reader: GGUFReader) -> None:
+    """Bit-identical to gguf.quants on all 272 tensors of the embedded file."""
+    for tensor in gguf_reader.tensors:
+        shape = tuple(reversed(tensor.shape.tolist()))
+        raw = torch.from_numpy(np.array(tensor.data).view(np.uint8).reshape(-1))
+        expected = np.array(dequantize(tensor.data, tensor.tensor_type)).reshape(shape)
+        ours = dequantize_raw(raw, tensor.tensor_type, shape)
+        assert ours.dtype == torch.float32
+        assert torch.equal(ours, torch.from_numpy(expected)), tensor.name
+    assert {t.tensor_type for t in gguf_reader.tensors} == {Q.F32, Q.Q8_0, Q.Q4_1}
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16, Q.Q5_0, Q.BF16])
+def test_quantized_weights_equal_gguf(tmp_path: Path, kind: GGMLQuantizationType) -> None:
+    """Types the embedded file lacks: Q4_0, F16, and gguf's numpy fallback (Q5_0, BF16)."""
+    rng = np.random.default_rng(3)
+    values = (rng.standard_normal((40, 96)) * rng.uniform(0.01, 10, (40, 1))).astype(np.float32)
+    values[0] = 0.0  # zero scale
+    values[1, :32] = 7.0  # a constant block: zero range for Q4_1
+    stored = quantize(values, kind)
+    path = _write_gguf(tmp_path / "q.gguf", "qwen2", _tiny_layer_tensors(False),
+                       raw_tensors={"blk.0.ffn_up.weight": (stored, kind)})
+    weights = dict(iter_gguf_weights(path))
+    expected = torch.from_numpy(np.array(dequantize(stored, kind)))
+    assert torch.equal(weights["model.layers.0.mlp.up_proj.weight"], expected)
+    assert read_gguf_header(path).tensors[-1].tensor_type == kind
+
+
+def test_header_reads_every_value_type_and_custom_alignment(tmp_path: Path) -> None:
+    path = tmp_path / "types.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_int8("x.int8", -5)
+    writer.add_uint16("x.uint16", 60000)
+    writer.add_int64("x.int64", -(2**40))
+    writer.add_float64("x.float64", 0.1)
+    writer.add_bool("x.bool", True)
+    writer.add_custom_alignment(64)
+    writer.add_array("x.nested", [[1, 2], [3, 4, 5]])
+    writer.add_array("x.strings", ["a", "bc", ""])
+    writer.add_string("x.after", "still in step")
+    writer.add_tensor("a.weight", np.arange(3, dtype=np.float32))
+    writer.add_tensor("b.weight", np.arange(6, dtype=np.float32).reshape(2, 3))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file, writer.close):
+        write()
+    header = read_gguf_header(path)
+    meta = header.metadata
+    assert (meta["x.int8"], meta["x.uint16"], meta["x.int64"]) == (-5, 60000, -(2**40))
+    assert meta["x.float64"] == 0.1 and meta["x.bool"] is True
+    assert meta["x.nested"] == GGUFArray(GGUFValueType.ARRAY, 2)
+    assert meta["x.strings"] == GGUFArray(GGUFValueType.STRING, 3)
+    assert meta["x.after"] == "still in step" and meta["general.alignment"] == 64
+    assert [t.offset % 64 for t in header.tensors] == [0, 0]
+    with path.open("rb") as f:
+        f.seek(header.tensors[1].offset)
+        assert np.frombuffer(f.read(24), dtype=np.float32).tolist() == list(range(6))
+    assert header.tensors[1].shape == (2, 3)
+
+
+def test_truncated_or_unknown_version_files_are_rejected(tmp_path: Path) -> None:
+    path = _write_gguf(tmp_path / "ok.gguf", "llama", _tiny_layer_tensors(False))
+    data = path.read_bytes()
+    data_end = max(t.offset + t.num_bytes for t in read_gguf_header(path).tensors)
+    for cut in (30, 200, data_end - 1):  # in the counts, in the metadata, in the last tensor
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="is not a readable GGUF file"):
+            read_gguf_config(bad)
+    old = tmp_path / "v1.gguf"
+    old.write_bytes(data[:4] + (1).to_bytes(4, "little") + data[8:])
+    with pytest.raises(ValueError, match="GGUF version 1 is not supported"):
+        read_gguf_config(old)
