@@ -32,3 +32,9 @@ def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # logit gap on test_parity's llama3 prompts, close enough to float32 noise (~5e-6) to flip.
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama3"), "llama", seed=2,
                             llama3_rope=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A MistralForCausalLM checkpoint with a 48-token sliding window."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=0)

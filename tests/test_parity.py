@@ -119,3 +119,15 @@ def test_llama3_rope_scaling_matches_transformers(tiny_llama3_dir: Path) -> None
                         SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert torch.get_num_threads() >= 1
+
+
+def test_mistral_sliding_window_matches_transformers(tiny_mistral_dir: Path) -> None:
+    cfg = ModelConfig.from_folder(tiny_mistral_dir)
+    assert cfg.architecture == "MistralForCausalLM" and cfg.sliding_window == 48
+    prompts = random_prompts(512, 4, 30, 200, seed=9)  # most longer than the window
+    expected = hf_greedy(tiny_mistral_dir, prompts, 24)
+    for kwargs in ({}, {"max_num_batched_tokens": 16, "block_size": 8}):
+        llm = LLM(str(tiny_mistral_dir), dtype="float32", **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected

@@ -23,6 +23,7 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
+    MistralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -135,12 +136,24 @@ def _qwen2_config(vocab_size: int) -> Qwen2Config:
     )
 
 
+def _mistral_config(vocab_size: int) -> MistralConfig:
+    """Mistral shape: GQA 4/2, untied, and a 48-token sliding window shorter than the prompts."""
+    return MistralConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False, sliding_window=48,
+    )
+
+
 def _tiny_config(arch: str, vocab_size: int, llama3_rope: bool) -> PretrainedConfig:
-    """Returns the config for `arch` ("llama" or "qwen2") with the tokenizer's special ids."""
+    """Returns the config for `arch` ("llama", "qwen2" or "mistral") with the special ids."""
     if arch == "llama":
         config: PretrainedConfig = _llama_config(vocab_size, llama3_rope)
     elif arch == "qwen2" and not llama3_rope:
         config = _qwen2_config(vocab_size)
+    elif arch == "mistral" and not llama3_rope:
+        config = _mistral_config(vocab_size)
     else:
         raise ValueError(f"unknown tiny arch {arch!r} (llama3_rope={llama3_rope})")
     config.bos_token_id = config.eos_token_id = config.pad_token_id = EOS_TOKEN_ID

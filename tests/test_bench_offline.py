@@ -1,0 +1,103 @@
+"""The offline benchmark's pure helpers: workload shape and roofline arithmetic (no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.bench_offline import (
+    BenchConfig,
+    bandwidth_floor_tokens_per_s,
+    decode_step_flops,
+    format_table,
+    other_cores,
+    other_cpu_values,
+    parse_args,
+    random_prompts,
+    ratio,
+    roofline_step_seconds,
+    spread_lengths,
+    target_line,
+)
+
+
+def test_spread_lengths_cover_the_range_evenly() -> None:
+    lengths = spread_lengths(64, 32, 512, seed=0)
+    assert len(lengths) == 64
+    assert min(lengths) == 32 and max(lengths) == 512
+    assert sum(lengths) / 64 == pytest.approx(272, abs=0.5)
+    assert sorted(lengths) == sorted(spread_lengths(64, 32, 512, seed=1))
+    assert lengths == spread_lengths(64, 32, 512, seed=0)
+    assert lengths != sorted(lengths)  # shuffled
+
+
+def test_spread_lengths_single_prompt_is_the_midpoint() -> None:
+    assert spread_lengths(1, 32, 512, seed=0) == [272]
+
+
+def test_random_prompts_avoid_excluded_ids_and_are_seeded() -> None:
+    prompts = random_prompts([5, 40, 7], vocab_size=20, excluded_ids={0, 1, 2, 3}, seed=3)
+    assert [len(p) for p in prompts] == [5, 40, 7]
+    assert all(4 <= t < 20 for p in prompts for t in p)
+    assert prompts == random_prompts([5, 40, 7], 20, {0, 1, 2, 3}, seed=3)
+    assert prompts != random_prompts([5, 40, 7], 20, {0, 1, 2, 3}, seed=4)
+
+
+def test_decode_step_flops_smollm2_shape() -> None:
+    # 134,515,008 params, 30 layers x 9 heads x 64 head_dim, mean context 100, 64 sequences:
+    # linear 2 * 134515008 * 64 = 17,217,921,024; attention 4 * 30 * 9 * 64 * 100 * 64 =
+    # 442,368,000.
+    flops = decode_step_flops(134_515_008, 30, 9, 64, 100.0, 64)
+    assert flops == 17_217_921_024 + 442_368_000
+
+
+def test_roofline_takes_the_slower_bound() -> None:
+    # 18 GFLOP at 100 GFLOP/s = 0.18 s; 538 MB at 20 GB/s = 0.0269 s -> compute-bound.
+    assert roofline_step_seconds(18e9, 538e6, 100e9, 20e9) == pytest.approx(0.18)
+    # 0.2 GFLOP at 100 GFLOP/s = 0.002 s; 538 MB at 20 GB/s = 0.0269 s -> memory-bound.
+    assert roofline_step_seconds(0.2e9, 538e6, 100e9, 20e9) == pytest.approx(0.0269)
+
+
+def test_bandwidth_floor() -> None:
+    assert bandwidth_floor_tokens_per_s(538e6, 21.52e9) == pytest.approx(40.0)
+
+
+def test_ratio_handles_missing_values() -> None:
+    assert ratio(300.0, 30.0) == pytest.approx(10.0)
+    assert ratio(None, 30.0) is None
+    assert ratio(300.0, 0.0) is None
+
+
+def test_target_lines() -> None:
+    assert target_line("x", 12.0, 10.0, as_percent=False) == \
+        "TARGET x: met (12.0x, target >= 10.0x)"
+    assert target_line("y", 0.42, 0.5, as_percent=True) == \
+        "TARGET y: MISSED (42%, target >= 50%)"
+    assert "not measured" in target_line("z", None, 0.85, as_percent=True)
+
+
+def test_format_table() -> None:
+    text = format_table(("a", "bb"), [(1.23456, None), ("long cell", 12345.6)])
+    assert text.splitlines() == [
+        "| a         | bb    |",
+        "|-----------|-------|",
+        "| 1.23      | -     |",
+        "| long cell | 12346 |",
+    ]
+
+
+def test_parse_args_quick_shrinks_the_workload() -> None:
+    cfg = parse_args(["--quick", "--threads", "1"])
+    assert cfg.threads == 1 and cfg.num_prompts < BenchConfig().num_prompts
+    assert parse_args([]).num_prompts == 64 and parse_args([]).hf_sequential_prompts == 8
+
+
+def test_other_cores_subtracts_this_process() -> None:
+    # Machine busy 9 CPU-seconds over 3 s of wall time, 6 of them ours: others held 1 core.
+    assert other_cores((100.0, 10.0), (109.0, 16.0), 3.0) == pytest.approx(1.0)
+    assert other_cores((100.0, 10.0), (105.0, 16.0), 3.0) == 0.0  # clock skew never negative
+
+
+def test_other_cpu_values_walks_nested_results() -> None:
+    report = {"a": {"other_cpu_cores": 0.5, "b": {"other_cpu_cores": None}},
+              "c": {"d": {"other_cpu_cores": 1.5}}, "e": [1, 2]}
+    assert sorted(other_cpu_values(report)) == [0.5, 1.5]
