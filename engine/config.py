@@ -56,7 +56,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; kvserve serves "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         rope = dict(cfg.get("rope_parameters") or {})
-        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                               else None)
         num_heads = int(cfg["num_attention_heads"])

@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineArgs, ModelConfig
 from engine.loader import ModelSource, iter_weights
 from engine.models import build_model
+from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -48,7 +49,7 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def _load_model(self, source: ModelSource, max_model_len: int) -> torch.nn.Module:
+    def _load_model(self, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
         with torch.device("meta"):
             model = build_model(self.config, self.backend, max_model_len, self.device)
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
