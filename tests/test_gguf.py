@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers import PreTrainedTokenizerBase as Tokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine import gguf_loader
+from engine import gguf_tokenizer
 from engine.gguf_loader import (
     GGUFArray,
     default_model_path,
@@ -90,7 +90,7 @@ def converted_tokenizer(model_path: Path, tokenizer_cache: Path) -> Tokenizer:
 def cached_tokenizer(model_path: Path, converted_tokenizer: Tokenizer) -> Tokenizer:
     """The second load, which must come from the cache folder: converting again would fail."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf_loader, "_convert_tokenizer", _conversion_not_expected)
+        patch.setattr(gguf_tokenizer, "_convert_tokenizer", _conversion_not_expected)
         return load_gguf_tokenizer(model_path)
 
 
@@ -241,7 +241,7 @@ def test_unwritable_cache_converts_every_time(model_path: Path, tmp_path: Path,
         conversions.append(path)
         return converted_tokenizer
 
-    monkeypatch.setattr(gguf_loader, "_convert_tokenizer", convert)
+    monkeypatch.setattr(gguf_tokenizer, "_convert_tokenizer", convert)
     with caplog.at_level(logging.WARNING, logger="kvserve"):
         assert load_gguf_tokenizer(model_path) is converted_tokenizer
         assert load_gguf_tokenizer(model_path) is converted_tokenizer
