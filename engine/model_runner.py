@@ -10,6 +10,7 @@ import torch
 from engine.config import EngineArgs, ModelConfig
 from engine.loader import ModelSource, iter_weights
 from engine.models import build_model
+from engine.models.cpu_linear import pack_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -56,11 +57,14 @@ class ModelRunner:
         if self.config.tie_word_embeddings:  # to_empty unties shared parameters
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(iter_weights(source, self.dtype))
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.device.type == "cpu":
+            pack_linears(model)
         return model.eval()
 
     def weight_bytes(self) -> int:
-        """Bytes the weights occupy (tied tensors counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes the checkpoint's weights occupy (tied tensors counted once)."""
+        return self._weight_bytes
 
     def kv_cache_dtype(self) -> torch.dtype:
         """Element type of the KV tensors."""
