@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_offline import (
-    BenchConfig,
+from loadtest.bench_config import BenchConfig
+from loadtest.bench_machine import other_cores
+from loadtest.bench_offline import parse_args, random_prompts, spread_lengths
+from loadtest.bench_report import (
     bandwidth_floor_tokens_per_s,
     decode_step_flops,
+    faster,
     format_table,
-    other_cores,
     other_cpu_values,
-    parse_args,
-    random_prompts,
     ratio,
     roofline_step_seconds,
-    spread_lengths,
     target_line,
 )
 
@@ -101,3 +100,8 @@ def test_other_cpu_values_walks_nested_results() -> None:
     report = {"a": {"other_cpu_cores": 0.5, "b": {"other_cpu_cores": None}},
               "c": {"d": {"other_cpu_cores": 1.5}}, "e": [1, 2]}
     assert sorted(other_cpu_values(report)) == [0.5, 1.5]
+
+
+def test_faster_names_the_winner_and_its_margin() -> None:
+    assert faster(("float32", 150.0), ("bfloat16", 50.0)) == "float32 (3.00x)"
+    assert faster(("float32", 10.0), ("bfloat16", 12.5)) == "bfloat16 (1.25x)"

@@ -1,0 +1,47 @@
+"""The offline benchmark's options and targets: `BenchConfig` and the module-wide constants."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+THROUGHPUT_TARGET = 10.0  # kvserve / generate_batch
+ROOFLINE_TARGET = 0.50  # achieved / roofline at 64 sequences
+BATCH1_TARGET = 0.85  # achieved / bandwidth floor at batch 1
+QUIET_CORES = 0.25  # other processes busier than this make a timing suspect
+GIB = 1024**3
+
+
+@dataclass
+class BenchConfig:
+    """Every knob of one run; `--quick` swaps in the small values of `quick()`."""
+
+    threads: int = 2
+    num_prompts: int = 64
+    min_input: int = 32
+    max_input: int = 512
+    output_len: int = 128
+    seed: int = 0
+    dtype: str = "float32"
+    skip_hf_sequential: bool = False
+    hf_sequential_prompts: int = 8
+    hf_page_size: int = 256
+    hf_max_batch_tokens: int = 512
+    batch1_tokens: int = 256
+    decode_seqs: int = 64
+    decode_input: int = 32
+    decode_steps: int = 32
+    gemm_size: int = 2048
+    bandwidth_bytes: int = GIB
+    skip_bf16: bool = False
+    wait_quiet: float = 0.0
+    profile_decode: bool = False
+    json_path: str | None = None
+    markdown_path: str | None = None
+
+    def quick(self) -> BenchConfig:
+        """A smoke-run version: every workload cut to seconds."""
+        return dataclasses.replace(
+            self, num_prompts=8, min_input=16, max_input=64, output_len=16,
+            hf_sequential_prompts=2, batch1_tokens=32, decode_seqs=8, decode_input=16,
+            decode_steps=8, gemm_size=1024, bandwidth_bytes=256 * 1024**2)

@@ -1,0 +1,124 @@
+"""The offline benchmark's machine side: CPU contention sampling, waiting for a quiet machine,
+and the rates the roofline rests on (matmul, memory bandwidth, CPU model)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loadtest.bench_config import GIB, QUIET_CORES, BenchConfig
+
+# ---- contention: the machine may be shared, so every timing records who else ran --------
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process), or None off Linux."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+    own = os.times()
+    return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def other_cores(before: tuple[float, float], after: tuple[float, float], wall: float) -> float:
+    """Mean number of cores kept busy by other processes between two `cpu_seconds()` reads."""
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others / max(wall, 1e-9))
+
+
+def wait_for_quiet(max_wait_s: float, threshold: float = QUIET_CORES, window_s: float = 2.0) -> float:
+    """Sleeps until other processes use under `threshold` cores over a window, or gives up
+    after `max_wait_s`; returns the seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < max_wait_s:
+        before = cpu_seconds()
+        time.sleep(window_s)
+        after = cpu_seconds()
+        if before is None or after is None or other_cores(before, after, window_s) < threshold:
+            break
+    return time.perf_counter() - start
+
+
+def timed(fn: Callable[[], dict[str, Any]], quiet_wait_s: float) -> dict[str, Any]:
+    """Runs a measurement (after waiting for a quiet machine, if asked) and adds the cores
+    other processes used meanwhile as `other_cpu_cores`."""
+    waited = wait_for_quiet(quiet_wait_s) if quiet_wait_s > 0 else 0.0
+    before, start = cpu_seconds(), time.perf_counter()
+    result = fn()
+    after, wall = cpu_seconds(), time.perf_counter() - start
+    result["other_cpu_cores"] = (None if before is None or after is None
+                                 else other_cores(before, after, wall))
+    result["waited_for_quiet_s"] = waited
+    return result
+
+
+# ---- machine rates ------------------------------------------------------------------------
+
+
+def best_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Best wall time of `repeats` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
+    """float32 [m, k] @ [k, n] rate in GFLOP/s, best of `repeats`."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    seconds = best_seconds(lambda: torch.matmul(a, b), repeats)
+    return 2 * m * k * n / seconds / 1e9
+
+
+def read_bandwidth_gbs(num_bytes: int, repeats: int = 5) -> dict[str, float]:
+    """Memory rates in GB/s over a float32 tensor of `num_bytes`: `sum` (reads it once) and
+    `copy` (reads and writes it; counted as 2 x bytes)."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    sum_s = best_seconds(lambda: src.sum(), repeats)
+    copy_s = best_seconds(lambda: dst.copy_(src), repeats)
+    return {"read_gbs": num_bytes / sum_s / 1e9, "copy_gbs": 2 * num_bytes / copy_s / 1e9}
+
+
+def measure_machine(cfg: BenchConfig, hidden: int, intermediate: int) -> dict[str, Any]:
+    """Peak matmul rate (large square GEMM), a decode-shaped GEMM, and read bandwidth."""
+    size, rows = cfg.gemm_size, cfg.decode_seqs
+
+    def measure() -> dict[str, Any]:
+        return {"gemm_square_gflops": matmul_gflops(size, size, size),
+                "gemm_decode_gflops": matmul_gflops(rows, hidden, 2 * intermediate, repeats=50),
+                "gemm_square_shape": f"[{size}x{size}] @ [{size}x{size}]",
+                "gemm_decode_shape": f"[{rows}x{hidden}] @ [{hidden}x{2 * intermediate}]",
+                **read_bandwidth_gbs(cfg.bandwidth_bytes),
+                "bandwidth_method": f"float32 tensor of {cfg.bandwidth_bytes / GIB:.2f} GiB: "
+                                    f".sum() (read once), best of 5, {cfg.threads} threads"}
+    return timed(measure, cfg.wait_quiet)
+
+
+# ---- hardware description -----------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, with the SIMD flags that matter here."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                 if ln.startswith("model name")), "unknown")
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines()
+                  if ln.startswith("flags")), set())
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({os.cpu_count()} logical CPUs; {', '.join(simd) or 'no AVX2'})"

@@ -1,0 +1,261 @@
+"""The offline benchmark's report: roofline arithmetic, tables, markdown and target lines."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import ModelConfig
+from loadtest.bench_config import (
+    BATCH1_TARGET,
+    QUIET_CORES,
+    ROOFLINE_TARGET,
+    THROUGHPUT_TARGET,
+    BenchConfig,
+)
+
+Row = Sequence[Any]
+
+
+# ---- pure helpers (unit-tested) -----------------------------------------------------------
+
+
+def decode_step_flops(num_params: int, num_layers: int, num_heads: int, head_dim: int,
+                      mean_context: float, num_seqs: int) -> float:
+    """Linear layers (2 x params per token) plus attention: QK^T and PV, 2 FLOPs each per
+    head-dim element per cached position."""
+    linear = 2 * num_params * num_seqs
+    attention = 2 * 2 * num_layers * num_heads * head_dim * mean_context * num_seqs
+    return float(linear + attention)
+
+
+def roofline_step_seconds(flops: float, weight_bytes: float, matmul_flops_per_s: float,
+                          read_bytes_per_s: float) -> float:
+    """The slower of compute time at the peak matmul rate and weight-read time."""
+    return max(flops / matmul_flops_per_s, weight_bytes / read_bytes_per_s)
+
+
+def bandwidth_floor_tokens_per_s(weight_bytes: float, read_bytes_per_s: float) -> float:
+    """Batch-1 decode ceiling: each token reads every weight once."""
+    return read_bytes_per_s / weight_bytes
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is missing or the denominator is 0."""
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Row]) -> str:
+    """A markdown pipe table; floats get 3 significant digits, None prints as '-'."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
+              for r in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def target_line(name: str, value: float | None, target: float, as_percent: bool) -> str:
+    """'TARGET met/missed' line; a missing measurement counts as not measured."""
+    def show(x: float) -> str:
+        return f"{x:.0%}" if as_percent else f"{x:.1f}x"
+    if value is None:
+        return f"TARGET {name}: not measured (target >= {show(target)})"
+    verdict = "met" if value >= target else "MISSED"
+    return f"TARGET {name}: {verdict} ({show(value)}, target >= {show(target)})"
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def roofline_summary(mc: ModelConfig, rates: dict[str, Any], decode: dict[str, Any],
+                     weight_bytes: int) -> dict[str, float]:
+    """The decode-step roofline from the model shape, the machine rates and measured steps."""
+    flops = decode_step_flops(mc.num_params(), mc.num_hidden_layers, mc.num_attention_heads,
+                              mc.head_dim, decode["mean_context"], decode["num_seqs"])
+    peak, read = rates["gemm_square_gflops"] * 1e9, rates["read_gbs"] * 1e9
+    roof = roofline_step_seconds(flops, weight_bytes, peak, read)
+    kv_bytes = decode["num_seqs"] * decode["mean_context"] * mc.kv_bytes_per_token(
+        weight_bytes // mc.num_params())
+    return {"flops": flops, "weight_bytes": weight_bytes, "compute_s": flops / peak,
+            "memory_s": weight_bytes / read, "roofline_s": roof, "kv_bytes": kv_bytes,
+            "achieved_s": decode["median_step_s"], "worker_s": decode["median_worker_s"],
+            "fraction": roof / decode["median_step_s"]}
+
+
+def build_report(cfg: BenchConfig, env: dict[str, Any], mc: ModelConfig, rates: dict[str, Any],
+                 kv: dict[str, Any], bf16: dict[str, Any] | None, hf: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """Everything the tables, JSON and markdown need, in one dict."""
+    kv_tps = kv["throughput"]["tokens_per_s"]
+    seq = hf.get("sequential")
+    read = rates["read_gbs"] * 1e9
+    return {
+        "config": dataclasses.asdict(cfg), "env": env, "machine": rates,
+        "kvserve": kv, "kvserve_bf16": bf16, "hf": hf,
+        "ratios": {"vs_generate_batch": ratio(kv_tps, hf["generate_batch"]["tokens_per_s"]),
+                   "vs_sequential": ratio(kv_tps, seq["tokens_per_s"] if seq else None)},
+        "roofline": roofline_summary(mc, rates, kv["decode"], kv["weight_bytes"]),
+        "batch1_floor_tokens_per_s": bandwidth_floor_tokens_per_s(kv["weight_bytes"], read),
+        "batch1_floor_float32_tokens_per_s": bandwidth_floor_tokens_per_s(
+            mc.num_params() * 4, read),
+    }
+
+
+def other_cpu_values(node: Any) -> list[float]:
+    """Every `other_cpu_cores` measured anywhere in the report."""
+    if isinstance(node, dict):
+        own = [node["other_cpu_cores"]] if node.get("other_cpu_cores") is not None else []
+        return own + [v for child in node.values() for v in other_cpu_values(child)]
+    return []
+
+
+def throughput_table(r: dict[str, Any]) -> str:
+    """Section 1: output tokens/s of the three ways to run the prompts."""
+    runs = [("kvserve LLM.generate", r["kvserve"]["throughput"], 1.0),
+            ("transformers generate_batch", r["hf"]["generate_batch"],
+             r["ratios"]["vs_generate_batch"])]
+    if r["hf"].get("sequential"):
+        runs.append(("transformers generate, one at a time", r["hf"]["sequential"],
+                     r["ratios"]["vs_sequential"]))
+    rows = [(name, x["prompts"], x["output_tokens"], x["seconds"], x["tokens_per_s"], speedup,
+             x["other_cpu_cores"]) for name, x, speedup in runs]
+    return format_table(("engine", "prompts", "output tokens", "seconds", "output tok/s",
+                         "kvserve speedup", "others' CPU (cores)"), rows)
+
+
+def machine_table(r: dict[str, Any]) -> str:
+    """The measured rates the roofline rests on."""
+    m = r["machine"]
+    return format_table(("measurement", "value", "method"), [
+        ("matmul peak (GFLOP/s)", m["gemm_square_gflops"], m["gemm_square_shape"] + " float32"),
+        ("matmul decode-shaped (GFLOP/s)", m["gemm_decode_gflops"],
+         m["gemm_decode_shape"] + " float32"),
+        ("read bandwidth (GB/s)", m["read_gbs"], m["bandwidth_method"]),
+        ("copy bandwidth (GB/s, read+write)", m["copy_gbs"], "copy_ of the same tensor"),
+        ("others' CPU (cores)", m["other_cpu_cores"], "used by other processes meanwhile"),
+    ])
+
+
+def roofline_table(r: dict[str, Any]) -> str:
+    """Section 2: the decode step at N sequences against its roofline."""
+    rf, d = r["roofline"], r["kvserve"]["decode"]
+    return format_table(("quantity", "value"), [
+        ("sequences decoding", d["num_seqs"]), ("mean context (tokens)", d["mean_context"]),
+        ("FLOPs per step (G)", rf["flops"] / 1e9),
+        ("weight bytes per step (MB)", rf["weight_bytes"] / 1e6),
+        ("KV bytes attended per step (MB, not in the roofline)", rf["kv_bytes"] / 1e6),
+        ("compute time at peak matmul rate (ms)", rf["compute_s"] * 1e3),
+        ("weight-read time at read bandwidth (ms)", rf["memory_s"] * 1e3),
+        ("roofline step (ms)", rf["roofline_s"] * 1e3),
+        (f"kvserve step, median of {d['steps']} (ms)", rf["achieved_s"] * 1e3),
+        ("  of which worker execute (ms)", rf["worker_s"] * 1e3),
+        ("  outside the worker (ms)", (rf["achieved_s"] - rf["worker_s"]) * 1e3),
+        ("decode tok/s", d["tokens_per_s"]), ("achieved / roofline", f"{rf['fraction']:.0%}"),
+        ("others' CPU (cores)", d["other_cpu_cores"]),
+    ])
+
+
+def batch1_table(r: dict[str, Any]) -> str:
+    """Section 3: batch-1 decode against the bandwidth floor."""
+    floor, floor_f32 = r["batch1_floor_tokens_per_s"], r["batch1_floor_float32_tokens_per_s"]
+    kv, hf = r["kvserve"]["batch1"], r["hf"]["batch1"]
+    return format_table(("engine", "tokens", "tok/s", "floor tok/s", "% of floor",
+                         "others' CPU (cores)"), [
+        (f"kvserve ({r['kvserve']['dtype']})", kv["tokens"], kv["tokens_per_s"], floor,
+         f"{kv['tokens_per_s'] / floor:.0%}", kv["other_cpu_cores"]),
+        ("transformers generate (float32)", hf["tokens"], hf["tokens_per_s"], floor_f32,
+         f"{hf['tokens_per_s'] / floor_f32:.0%}", hf["other_cpu_cores"]),
+    ])
+
+
+def dtype_table(r: dict[str, Any]) -> str:
+    """Section 4: float32 vs bfloat16 kvserve, each against its own bandwidth floor; the
+    N-sequence column is the decode-step rate of section 2 (short context)."""
+    rows: list[Row] = []
+    for res in (r["kvserve"], r["kvserve_bf16"]):
+        if res is None:
+            continue
+        floor = bandwidth_floor_tokens_per_s(res["weight_bytes"], r["machine"]["read_gbs"] * 1e9)
+        b1, dec = res["batch1"], res["decode"]
+        rows.append((res["dtype"], res["weight_bytes"] / 1e6, b1["tokens_per_s"],
+                     f"{b1['tokens_per_s'] / floor:.0%}", dec["tokens_per_s"],
+                     dec["median_step_s"] * 1e3,
+                     max(b1["other_cpu_cores"] or 0.0, dec["other_cpu_cores"] or 0.0)))
+    return format_table(("dtype", "weights (MB)", "batch-1 tok/s", "% of own floor",
+                         f"{r['kvserve']['decode']['num_seqs']}-seq decode tok/s",
+                         "step (ms)", "others' CPU (cores, max)"), rows)
+
+
+def faster(a: tuple[str, float], b: tuple[str, float]) -> str:
+    """'NAME (R.RRx)': which of two (name, tokens/s) pairs is faster, and by how much."""
+    win, lose = (a, b) if a[1] >= b[1] else (b, a)
+    return f"{win[0]} ({win[1] / lose[1]:.2f}x)"
+
+
+def dtype_verdict(r: dict[str, Any]) -> list[str]:
+    """One line saying which dtype wins where, for the README's `dtype=auto` choice."""
+    f32, bf16 = r["kvserve"], r["kvserve_bf16"]
+    if bf16 is None or f32["dtype"] != "float32":
+        return []
+    n = f32["decode"]["num_seqs"]
+    pairs = [((d["dtype"], d["decode"]["tokens_per_s"]), (d["dtype"], d["batch1"]["tokens_per_s"]))
+             for d in (f32, bf16)]
+    return [f"faster at {n} sequences: {faster(pairs[0][0], pairs[1][0])}; faster at batch 1: "
+            f"{faster(pairs[0][1], pairs[1][1])}; cpu: {r['env']['cpu']}"]
+
+
+def target_lines(r: dict[str, Any]) -> list[str]:
+    """The three target verdicts, then a warning when other processes took CPU."""
+    b1 = r["kvserve"]["batch1"]["tokens_per_s"] / r["batch1_floor_tokens_per_s"]
+    n = r["kvserve"]["decode"]["num_seqs"]
+    lines = [target_line("throughput kvserve / generate_batch", r["ratios"]["vs_generate_batch"],
+                         THROUGHPUT_TARGET, as_percent=False),
+             target_line(f"{n}-seq decode achieved / roofline", r["roofline"]["fraction"],
+                         ROOFLINE_TARGET, as_percent=True),
+             target_line("batch-1 decode / bandwidth floor", b1, BATCH1_TARGET, as_percent=True)]
+    busiest = max(other_cpu_values(r), default=0.0)
+    if busiest > QUIET_CORES:
+        lines.append(f"WARNING: other processes kept up to {busiest:.2f} cores busy during a "
+                     "measurement; those timings understate both engines (see the "
+                     "others' CPU columns; --wait-quiet waits for an idle machine)")
+    return lines
+
+
+def render(r: dict[str, Any]) -> str:
+    """The whole report as markdown (also what gets printed)."""
+    env, c = r["env"], r["config"]
+    parts = [
+        f"## Offline benchmark: SmolLM2-135M, {c['threads']} threads",
+        f"threads={c['threads']} torch={env['torch']} transformers={env['transformers']} "
+        f"cpu={env['cpu']}",
+        f"workload: {c['num_prompts']} prompts of random token ids, input {c['min_input']}.."
+        f"{c['max_input']} tokens evenly spread (seed {c['seed']}), {c['output_len']} output "
+        f"tokens each, greedy, EOS ignored; kvserve dtype {c['dtype']}; both engines load the "
+        "same GGUF dequantized",
+        "### Machine rates", machine_table(r),
+        "### 1. Offline throughput", throughput_table(r),
+        f"generate_batch settings: {r['hf']['generate_batch']['settings']}",
+        f"### 2. Roofline at {r['kvserve']['decode']['num_seqs']} concurrent sequences",
+        roofline_table(r),
+        "### 3. Batch-1 decode", batch1_table(r), "### 4. dtype", dtype_table(r),
+        *dtype_verdict(r),
+        "### Targets", "\n".join(target_lines(r)),
+    ]
+    profile = r["kvserve"]["decode"].get("profile")
+    if profile:
+        parts += ["### Decode-step profile (kvserve, torch.profiler)", f"```\n{profile}\n```"]
+    return "\n\n".join(parts) + "\n"
+
