@@ -43,7 +43,8 @@ class _TorchPlan:
     decode_rows: torch.Tensor  # [num_decodes] token index of each decode
     decode_block_tables: torch.Tensor  # [num_decodes, num_blocks_needed]
     decode_visible: torch.Tensor  # [num_decodes, 1, 1, num_blocks_needed * block_size]
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (start, end, slots, mask)
+    # (start, end, slots, visibility mask or None for plain causal)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
 
 class AttentionBackend(Protocol):
@@ -109,15 +110,18 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
 
 
 def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+             slots: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One prefill chunk attending causally over its cached prefix and itself."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
     values = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
     keys, values = keys.transpose(0, 1).to(query.dtype), values.transpose(0, 1).to(query.dtype)
+    # A chunk with no cached prefix is plain causal attention: SDPA's causal flag lets it skip
+    # the masked half instead of reading an explicit mask.
+    causal = mask is None
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-        attn_mask=mask, scale=scale, enable_gqa=True)  # [1, heads, q_len, head_dim]
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)  # [1, H, q_len, D]
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -142,7 +146,7 @@ def _build_plan(meta: AttentionMetadata, device: torch.device) -> _TorchPlan:
 
 
 def _prefill_entry(meta: AttentionMetadata, seq: int, start: int, device: torch.device
-                   ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
     q_len, ctx = meta.query_lens_list[seq], meta.seq_lens_list[seq]
     num_blocks = -(-ctx // meta.block_size)
     table = meta.block_tables[seq, :num_blocks].long()
@@ -150,6 +154,8 @@ def _prefill_entry(meta: AttentionMetadata, seq: int, start: int, device: torch.
     slots = (table[:, None] * meta.block_size + offsets[None, :]).flatten()[:ctx]
     key_pos = torch.arange(ctx, device=device)
     query_pos = torch.arange(ctx - q_len, ctx, device=device)
+    if q_len == ctx and meta.sliding_window is None:
+        return start, start + q_len, slots, None
     visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, ctx], True = attend
     if meta.sliding_window is not None:
         visible &= key_pos[None, :] > query_pos[:, None] - meta.sliding_window
