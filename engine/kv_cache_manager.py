@@ -73,11 +73,6 @@ class KVCacheManager:
             self.stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
-    def can_fit(self, request: Request, num_new_tokens: int, num_new_computed: int = 0) -> bool:
-        """Whether allocate_slots would succeed, without changing anything."""
-        return self._num_blocks_needed(request, num_new_tokens, num_new_computed) <= \
-            self.num_free_blocks
-
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> bool:
         """Grows the request's block table to hold `num_new_tokens` more tokens.
