@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -48,22 +48,13 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[PromptInput] = []
-        for conversation in conversations:
-            if not conversation:
-                raise ValueError("a conversation needs at least one message")
-            ids = self.engine.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
-                chat_template=chat_template)
-            prompts.append(str(ids))
-        tokenized = [{"prompt": p, "prompt_token_ids": self._encode_no_special(p)}
-                     for p in prompts]
-        return self.generate(tokenized, sampling_params, use_tqdm)
-
-    def _encode_no_special(self, text: PromptInput) -> list[int]:
-        # The chat template already wrote BOS and role markers as text.
-        return list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        conversations = ([messages] if messages and isinstance(messages[0], dict)
+                         else messages)
+        prompts: list[PromptInput] = [
+            self.engine.chat_prompt(cast(list[Message], conversation), add_generation_prompt,
+                                    chat_template)
+            for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

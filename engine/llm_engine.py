@@ -99,6 +99,21 @@ class LLMEngine:
             self.scheduler.add_request(choice)
         return request_id
 
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> dict[str, Any]:
+        """Renders a conversation with the model's chat template into a prompt dict."""
+        if not messages:
+            raise ValueError("a conversation needs at least one message")
+        try:
+            text = str(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                chat_template=chat_template))
+        except Exception as exc:  # jinja errors, missing template
+            raise ValueError(f"the chat template could not render these messages: {exc}") from exc
+        # The template already wrote BOS and role markers as text.
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return {"prompt": text, "prompt_token_ids": ids}
+
     def _new_id(self) -> str:
         self._next_id += 1
         return str(self._next_id - 1)

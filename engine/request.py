@@ -60,6 +60,7 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[tuple[float, list[tuple[int, float]], int]] = field(default_factory=list)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # monotonic; for the queue-time metric
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

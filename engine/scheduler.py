@@ -3,6 +3,7 @@ preemption by recompute. Only the event-loop thread touches this state."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ class Scheduler:
                 break
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.kv.cache_blocks(request, num_hit_tokens + num_new)

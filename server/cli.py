@@ -1,8 +1,5 @@
-"""`kvserve` command line: `plan` (capacity planner) and `generate` (offline generation).
-
-The HTTP server (`kvserve serve`) arrives with the server work; until then `generate` is the
-way to run the engine from a shell.
-"""
+"""`kvserve` command line: `serve` (the OpenAI-compatible server), `plan` (capacity planner)
+and `generate` (offline generation of one prompt)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,9 @@ import logging
 import sys
 import time
 
+from engine.config import EngineArgs
 from engine.planner import add_plan_arguments, run_plan
+from server.config import add_server_arguments, server_config
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,17 +70,34 @@ def run_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Shows each flag's default unless its help already explains it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or \
+                not action.option_strings:
+            return text
+        return f"{text} (default: {action.default})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `kvserve` parser with its subcommands."""
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__,
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"], help="log verbosity")
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__, parents=[common],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="KV cache capacity plan from a model's config alone")
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP API",
+                           parents=[common], formatter_class=_DefaultsFormatter)
+    add_engine_arguments(serve)
+    add_server_arguments(serve)
+    plan = sub.add_parser("plan", help="KV cache capacity plan from a model's config alone",
+                          parents=[common])
     add_plan_arguments(plan)
-    gen = sub.add_parser("generate", help="generate offline from one prompt",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen = sub.add_parser("generate", help="generate offline from one prompt", parents=[common],
+                         formatter_class=_DefaultsFormatter)
     add_engine_arguments(gen)
     gen.add_argument("--prompt", default="What is a KV cache, in two sentences?")
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
@@ -93,10 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvserve` console script."""
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(message)s")
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S")
     try:
         if ns.command == "plan":
             return run_plan(ns)
+        if ns.command == "serve":
+            from server.serve import run_serve
+
+            return run_serve(server_config(ns), EngineArgs.from_kwargs(ns.model, **engine_kwargs(ns)))
         return run_generate(ns)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,169 @@
+"""Prometheus metrics under vLLM's names (prefix `kvserve:`) and the periodic stats log line.
+
+Counters that the scheduler and KV manager already keep (tokens, preemptions, prefix-cache
+queries and hits) are read live at scrape time by a custom collector, so there is one source
+of truth. Latency histograms are observed by the async engine as tokens arrive. Each engine
+gets its own registry: no module-level mutable state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("kvserve")
+
+PREFIX = "kvserve:"
+# Buckets as vLLM uses them, so dashboards built for it read the same here.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _LiveCollector:
+    """Reads the engine's own counters and gauges when Prometheus scrapes."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+
+    def collect(self) -> Iterator[Metric]:
+        scheduler, kv = self.engine.scheduler, self.engine.kv
+        yield self._gauge("num_requests_running", "Requests being computed.",
+                          len(scheduler.running))
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                          len(scheduler.waiting))
+        yield self._gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.",
+                          kv.usage())
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            kv.stats.queries)
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            kv.stats.hits)
+        yield self._counter("num_preemptions", "Requests preempted (recomputed later).",
+                            scheduler.stats.num_preemptions)
+        yield self._counter("prompt_tokens", "Prompt tokens computed (prefill).",
+                            scheduler.stats.num_prompt_tokens)
+        yield self._counter("generation_tokens", "Tokens generated.",
+                            scheduler.stats.num_generation_tokens)
+        yield self._cache_config()
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def _cache_config(self) -> GaugeMetricFamily:
+        plan = self.engine.kv_cache_plan
+        labels = {
+            "block_size": str(self.engine.args.block_size),
+            "num_gpu_blocks": str(plan.num_blocks),
+            "num_kv_cache_tokens": str(plan.num_blocks * self.engine.args.block_size),
+            "max_concurrency": f"{plan.max_concurrency(self.engine.max_model_len):.2f}",
+            "cache_dtype": self.engine.args.kv_cache_dtype,
+            "enable_prefix_caching": str(self.engine.args.enable_prefix_caching),
+        }
+        family = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache configuration.",
+                                   labels=list(labels))
+        family.add_metric(list(labels.values()), 1.0)
+        return family
+
+
+class EngineMetrics:
+    """The engine's Prometheus registry: live counters plus latency histograms."""
+
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_LiveCollector(engine, model_name))  # type: ignore[arg-type]
+        labels = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "Time to first token.", labels, registry=reg,
+                              buckets=TTFT_BUCKETS).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Inter-token latency.",
+                             labels, registry=reg, buckets=ITL_BUCKETS).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "End-to-end request latency.", labels, registry=reg,
+                             buckets=REQUEST_BUCKETS).labels(model_name)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Time from arrival to first scheduling.", labels,
+                                    registry=reg, buckets=REQUEST_BUCKETS).labels(model_name)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total",
+                                          "Tokens computed per engine step.", labels,
+                                          registry=reg,
+                                          buckets=ITERATION_TOKEN_BUCKETS).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self.model_name = model_name
+
+    def request_finished(self, finish_reason: str) -> None:
+        """Counts a finished request under its finish reason."""
+        self._success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return bytes(generate_latest(self.registry))
+
+
+@dataclass
+class _Snapshot:
+    time: float
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class StatsLogger:
+    """Logs vLLM's throughput/usage line at most once per interval, only while busy."""
+
+    def __init__(self, engine: LLMEngine, interval_s: float = 10.0) -> None:
+        self.engine = engine
+        self.interval_s = interval_s
+        self._last = self._snapshot()
+
+    def _snapshot(self) -> _Snapshot:
+        stats = self.engine.scheduler.stats
+        return _Snapshot(time.monotonic(), stats.num_prompt_tokens, stats.num_generation_tokens)
+
+    def maybe_log(self) -> str | None:
+        """Logs and returns the line when the interval has passed, else None."""
+        now = self._snapshot()
+        elapsed = now.time - self._last.time
+        if elapsed < self.interval_s:
+            return None
+        line = self.format_line(now, elapsed)
+        self._last = now
+        logger.info(line)
+        return line
+
+    def idle(self) -> None:
+        """Restarts the interval so idle time does not dilute the next averages."""
+        self._last = self._snapshot()
+
+    def format_line(self, now: _Snapshot, elapsed: float) -> str:
+        """vLLM's periodic line."""
+        scheduler, kv = self.engine.scheduler, self.engine.kv
+        prompt_tps = (now.prompt_tokens - self._last.prompt_tokens) / elapsed
+        gen_tps = (now.generation_tokens - self._last.generation_tokens) / elapsed
+        return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+                f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
+                f"Running: {len(scheduler.running)} reqs, "
+                f"Waiting: {len(scheduler.waiting)} reqs, "
+                f"KV cache usage: {kv.usage() * 100:.1f}%, "
+                f"Prefix cache hit rate: {kv.stats.hit_rate * 100:.1f}%")

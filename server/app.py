@@ -1,0 +1,157 @@
+"""The aiohttp application factory: middlewares, routes, and the engine's lifetime in the
+app's cleanup context."""
+
+from __future__ import annotations
+
+import hmac
+import importlib.metadata
+import time
+from collections.abc import AsyncIterator, Callable
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineArgs
+from server import routes, websocket
+from server.errors import APIError, Handler, error_middleware
+from server.generation import ServedModel
+from server.protocol import DetokenizeRequest, TokenizeRequest, chat_messages, decode
+from server.state import CONFIG, ENGINE, MODEL, STATE, ServerConfig, ServerState
+
+# Paths still answered while draining, so orchestrators can watch the shutdown.
+_OPEN_WHILE_DRAINING = frozenset({"/health", "/metrics", "/version"})
+
+
+def json_response(payload: object, status: int = 200) -> web.Response:
+    """A JSON response encoded with orjson."""
+    return web.Response(status=status, body=orjson.dumps(payload),
+                        content_type="application/json")
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With --api-key, every /v1 route needs `Authorization: Bearer KEY` (browsers opening
+    the WebSocket may pass `?api_key=KEY` instead)."""
+    key = request.app[CONFIG].api_key
+    if key and request.path.startswith("/v1"):
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else request.query.get("api_key", "")
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "Incorrect or missing API key; send `Authorization: Bearer "
+                                "<key>`", code="invalid_api_key")
+    return await handler(request)
+
+
+@web.middleware
+async def drain_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """While shutting down, new work gets 503."""
+    if request.app[STATE].draining and request.path not in _OPEN_WHILE_DRAINING:
+        raise APIError(503, "the server is shutting down", code="shutting_down",
+                       headers={"Retry-After": "5"})
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: 200 ready, 503 while draining or after an engine failure."""
+    if request.app[STATE].draining or request.app[ENGINE].is_dead:
+        return web.Response(status=503, text="unavailable")
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text format."""
+    body = request.app[ENGINE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def version(request: web.Request) -> web.Response:
+    """GET /version."""
+    try:
+        number = importlib.metadata.version("kvserve")
+    except importlib.metadata.PackageNotFoundError:
+        number = "unknown"
+    return json_response({"version": number})
+
+
+async def models(request: web.Request) -> web.Response:
+    """GET /v1/models."""
+    model = request.app[MODEL]
+    created = int(time.time())
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+             "root": model.root, "parent": None, "max_model_len": model.max_model_len}
+            for name in model.names]
+    return json_response({"object": "list", "data": data})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize: a prompt or chat messages to token ids."""
+    body = decode(TokenizeRequest, await request.read())
+    request.app[MODEL].check(body.model)
+    engine = request.app[ENGINE].engine
+    if body.messages is not None:
+        add_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
+        ids = engine.chat_prompt(chat_messages(body.messages), add_prompt)["prompt_token_ids"]
+    elif body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+    else:
+        raise APIError(400, "give either prompt or messages", param="prompt")
+    return json_response({"count": len(ids), "max_model_len": engine.max_model_len,
+                          "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """POST /detokenize: token ids to text."""
+    body = decode(DetokenizeRequest, await request.read())
+    request.app[MODEL].check(body.model)
+    engine = request.app[ENGINE].engine
+    vocab = engine.model_config.vocab_size
+    bad = [t for t in body.tokens if t >= vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                       param="tokens")
+    return json_response({"prompt": engine.tokenizer.decode(body.tokens)})
+
+
+EngineFactory = Callable[[], AsyncEngine]
+
+
+def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
+               engine_factory: EngineFactory | None = None) -> web.Application:
+    """Builds the application; the engine is created on startup and stopped on cleanup."""
+    config.validate()
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[error_middleware, drain_middleware, auth_middleware])
+    app[CONFIG] = config
+    app[STATE] = ServerState()
+    names = config.served_model_names
+    factory = engine_factory or (lambda: AsyncEngine.from_args(
+        engine_args or EngineArgs(), model_name=names[0] if names else None,
+        max_queue_len=config.max_queue_len, stats_interval_s=config.stats_interval_s))
+    app.cleanup_ctx.append(_engine_context(factory))
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_get("/v1/ws", websocket.websocket)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    return app
+
+
+def _engine_context(factory: EngineFactory) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def context(app: web.Application) -> AsyncIterator[None]:
+        # Loading weights blocks for seconds; nothing else is being served yet.
+        engine = factory()
+        engine.start()
+        app[ENGINE] = engine
+        app[MODEL] = ServedModel(app[CONFIG].served_model_names or [engine.model_name],
+                                 str(engine.engine.source.path), engine.engine.max_model_len)
+        yield
+        await engine.stop()
+
+    return context

@@ -1,0 +1,59 @@
+"""Server settings and their command-line flags. Kept free of heavy imports so `kvserve --help`
+and `kvserve plan` start fast."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    """Everything the HTTP layer needs beyond the engine's own arguments."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    max_queue_len: int | None = None
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ws_heartbeat_s: float = 20.0
+    stats_interval_s: float = 10.0
+
+    def validate(self) -> None:
+        """Raises ValueError naming the bad setting."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_queue_len is not None and self.max_queue_len < 0:
+            raise ValueError(f"--max-queue-len must be >= 0, got {self.max_queue_len}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """HTTP flags, spelled as vLLM's."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) clients use in `model` (default: the model's name)")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on /v1 routes")
+    parser.add_argument("--max-queue-len", type=int, default=None,
+                        help="waiting requests beyond this get 503 + Retry-After "
+                             "(default: unbounded)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds requests in flight may take to finish after SIGTERM")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                        help="largest request body or WebSocket message")
+
+
+def server_config(ns: argparse.Namespace) -> ServerConfig:
+    """ServerConfig from parsed flags."""
+    return ServerConfig(host=ns.host, port=ns.port, served_model_names=ns.served_model_name or [],
+                        api_key=ns.api_key, max_queue_len=ns.max_queue_len,
+                        shutdown_timeout=ns.shutdown_timeout, max_body_bytes=ns.max_body_bytes)

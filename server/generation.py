@@ -1,0 +1,170 @@
+"""One API call end to end, independent of transport: validate the body, queue one engine
+request per prompt, and yield chunk payloads as the engine produces deltas.
+
+SSE, the WebSocket and non-streamed responses all drive a `Call`; each call's requests are
+aborted when its consumer stops early (client gone, cancel message, socket closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.llm_engine import PromptInput
+from engine.outputs import RequestOutput
+from server.errors import APIError
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_messages,
+    completion_prompts,
+    sampling_params,
+)
+from server.responses import CallSpec, ResponseBuilder
+
+
+@dataclass
+class ServedModel:
+    """The names a model is served under and its limits."""
+
+    names: list[str]
+    root: str
+    max_model_len: int
+
+    @property
+    def name(self) -> str:
+        """The primary served name."""
+        return self.names[0]
+
+    def check(self, requested: str | None) -> None:
+        """404 for a model this server does not serve; a missing model means the default."""
+        if requested is not None and requested not in self.names:
+            raise APIError(404, f"The model `{requested}` does not exist; this server serves "
+                                f"{', '.join(self.names)}", param="model",
+                           code="model_not_found")
+
+
+class Call:
+    """A validated API call: its streams (one per prompt) and its response builder."""
+
+    def __init__(self, builder: ResponseBuilder, streams: list[RequestStream],
+                 stream: bool) -> None:
+        self.builder = builder
+        self.streams = streams
+        self.stream = stream  # whether the client asked for a streamed response
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """Chunk payloads in order, then the usage chunk when asked for. An engine-side error
+        raises APIError; leaving early aborts what is still running."""
+        try:
+            if self.builder.spec.kind == "chat":
+                yield self.builder.role_chunk()
+            async for prompt_index, output in self._outputs():
+                _raise_if_failed(output)
+                deltas = self.builder.update(prompt_index, output)
+                if deltas:
+                    yield self.builder.chunk(deltas)
+            if self.builder.spec.include_usage:
+                yield self.builder.usage_chunk()
+        finally:
+            self.cancel()
+
+    async def collect(self) -> dict[str, Any]:
+        """Runs the call to the end and returns the whole response body."""
+        async for _ in self.chunks():
+            pass
+        return self.builder.final_body()
+
+    def cancel(self) -> None:
+        """Aborts every request of this call that is still running."""
+        for stream in self.streams:
+            stream.cancel()
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self.streams) == 1:
+            async for output in self.streams[0]:
+                yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = \
+            asyncio.Queue()
+        tasks = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+
+async def _pump(index: int, stream: RequestStream,
+                queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]) -> None:
+    try:
+        async for output in stream:
+            queue.put_nowait((index, output))
+    except Exception as exc:  # surfaces in the consumer
+        queue.put_nowait((index, exc))
+    queue.put_nowait((index, None))
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    if any(c.finish_reason == "error" for c in output.outputs):
+        raise APIError(500, "the model step for this request failed; see the server log",
+                       code="internal_error")
+
+
+def start_completion(engine: AsyncEngine, model: ServedModel, req: CompletionRequest) -> Call:
+    """Validates a completions request and queues its prompts."""
+    model.check(req.model)
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported",
+                       param="echo")
+    prompts: list[PromptInput] = list(completion_prompts(req.prompt))
+    params = sampling_params(req, req.max_tokens, req.logprobs, default_max_tokens=16)
+    echo = [_prompt_text(engine, p) for p in prompts] if req.echo else None
+    spec = CallSpec("completion", model.name, params.n, echo, req.logprobs,
+                    req.include_usage, req.continuous_usage)
+    return _start(engine, spec, prompts, params, req)
+
+
+def start_chat(engine: AsyncEngine, model: ServedModel, req: ChatCompletionRequest) -> Call:
+    """Validates a chat request, applies the chat template and queues it."""
+    model.check(req.model)
+    add_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
+    prompt = engine.engine.chat_prompt(chat_messages(req.messages), add_prompt)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    params = sampling_params(req, max_tokens, top, default_max_tokens=None)
+    spec = CallSpec("chat", model.name, params.n, None, top, req.include_usage,
+                    req.continuous_usage)
+    return _start(engine, spec, [prompt], params, req)
+
+
+def _start(engine: AsyncEngine, spec: CallSpec, prompts: list[PromptInput], params: Any,
+           req: CompletionRequest | ChatCompletionRequest) -> Call:
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            streams.append(engine.add_request(prompt, params, f"{spec.response_id}-{i}"))
+    except BaseException:
+        for stream in streams:  # a later prompt was bad: drop the ones already queued
+            stream.cancel()
+        raise
+    return Call(ResponseBuilder(spec, len(prompts)), streams, bool(req.stream))
+
+
+def _prompt_text(engine: AsyncEngine, prompt: PromptInput) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return str(engine.engine.tokenizer.decode(prompt))

@@ -1,0 +1,202 @@
+"""OpenAI response shapes built from engine deltas: streamed chunks (shared by SSE and the
+WebSocket) and whole responses, for completions and chat completions.
+
+One `ResponseBuilder` serves one API call: its prompts x n choices, each choice's text,
+logprobs and finish reason accumulated from the deltas it is fed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class CallSpec:
+    """What one API call asked for, beyond sampling."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    n: int = 1
+    echo_texts: list[str] | None = None  # per prompt, when echo is on
+    top_logprobs: int | None = None  # None: no logprobs
+    include_usage: bool = False
+    continuous_usage: bool = False
+    response_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.response_id:
+            prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+            self.response_id = f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ChoiceState:
+    """One choice's accumulated output."""
+
+    index: int
+    texts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    text_offset: int = 0
+    started: bool = False
+    done: bool = False
+
+
+class ResponseBuilder:
+    """Turns (prompt index, RequestOutput) deltas into OpenAI chunks and a final body."""
+
+    def __init__(self, spec: CallSpec, num_prompts: int) -> None:
+        self.spec = spec
+        self.choices = [ChoiceState(i) for i in range(num_prompts * spec.n)]
+        self.prompt_tokens = [0] * num_prompts
+
+    # ---- accumulation ---------------------------------------------------------------------
+
+    def update(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        """Applies one step's output; returns the chunk choices it produced."""
+        self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
+        deltas = []
+        for completion in output.outputs:
+            state = self.choices[prompt_index * self.spec.n + completion.index]
+            delta = self._update_choice(state, completion, prompt_index)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def _update_choice(self, state: ChoiceState, out: CompletionOutput,
+                       prompt_index: int) -> dict[str, Any] | None:
+        if state.done:
+            return None
+        text = out.delta_text
+        if not state.started and self.spec.echo_texts is not None:
+            text = self.spec.echo_texts[prompt_index] + text
+        first = not state.started
+        state.started = True
+        state.texts.append(text)
+        num_new = len(out.delta_token_ids)
+        state.num_tokens = len(out.token_ids)
+        new_logprobs = self._logprobs(state, out, num_new)
+        state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+        state.done = out.finish_reason is not None
+        if not text and not num_new and not state.done and not first:
+            return None
+        return self._choice_delta(state, text, new_logprobs)
+
+    def _logprobs(self, state: ChoiceState, out: CompletionOutput,
+                  num_new: int) -> list[dict[str, Any]] | None:
+        if self.spec.top_logprobs is None or out.logprobs is None:
+            return None
+        start = len(out.token_ids) - num_new
+        entries = [self._logprob_entry(state, out.token_ids[i], out.logprobs[i])
+                   for i in range(start, len(out.token_ids))]
+        state.logprobs.extend(entries)
+        return entries
+
+    def _logprob_entry(self, state: ChoiceState, token_id: int,
+                       table: dict[int, Logprob]) -> dict[str, Any]:
+        chosen = table[token_id]
+        text = chosen.decoded_token or ""
+        top = sorted((lp for lp in table.values() if lp.rank is not None),
+                     key=lambda lp: lp.rank or 0)[: self.spec.top_logprobs]
+        entry = {"token": text, "logprob": _finite(chosen.logprob), "offset": state.text_offset,
+                 "top": [(lp.decoded_token or "", _finite(lp.logprob)) for lp in top]}
+        state.text_offset += len(text)
+        return entry
+
+    # ---- shapes ---------------------------------------------------------------------------
+
+    def _choice_delta(self, state: ChoiceState, text: str,
+                      logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+        finish = state.finish_reason if state.done else None
+        if self.spec.kind == "chat":
+            return {"index": state.index, "delta": {"content": text},
+                    "logprobs": _chat_logprobs(logprobs), "finish_reason": finish}
+        return {"index": state.index, "text": text, "logprobs": _completion_logprobs(logprobs),
+                "finish_reason": finish, "stop_reason": state.stop_reason if finish else None}
+
+    def role_chunk(self) -> dict[str, Any]:
+        """Chat streams open with the assistant role and empty content for every choice."""
+        return self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None} for c in self.choices])
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """One streamed chunk carrying these choice deltas."""
+        obj = "chat.completion.chunk" if self.spec.kind == "chat" else "text_completion"
+        chunk = {"id": self.spec.response_id, "object": obj, "created": self.spec.created,
+                 "model": self.spec.model, "choices": choices}
+        if self.spec.include_usage:
+            chunk["usage"] = self.usage() if self.spec.continuous_usage else None
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The final chunk of an include_usage stream: no choices, the totals."""
+        chunk = self.chunk([])
+        chunk["usage"] = self.usage()
+        return chunk
+
+    def usage(self) -> dict[str, int]:
+        """Token counts: each prompt once, every choice's output."""
+        prompt = sum(self.prompt_tokens)
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        """Each choice's finish reason (None while running)."""
+        return [c.finish_reason for c in self.choices]
+
+    def final_body(self) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        if self.spec.kind == "chat":
+            choices = [{"index": c.index,
+                        "message": {"role": "assistant", "content": "".join(c.texts)},
+                        "logprobs": _chat_logprobs(c.logprobs if self._wants_logprobs else None),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                       for c in self.choices]
+            obj = "chat.completion"
+        else:
+            choices = [{"index": c.index, "text": "".join(c.texts),
+                        "logprobs": _completion_logprobs(
+                            c.logprobs if self._wants_logprobs else None),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                       for c in self.choices]
+            obj = "text_completion"
+        return {"id": self.spec.response_id, "object": obj, "created": self.spec.created,
+                "model": self.spec.model, "choices": choices, "usage": self.usage()}
+
+    @property
+    def _wants_logprobs(self) -> bool:
+        return self.spec.top_logprobs is not None
+
+
+def _finite(value: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number, so clamp as vLLM does.
+    return max(value, -9999.0)
+
+
+def _chat_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {"content": [
+        {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode()),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                          for t, lp in e["top"]]}
+        for e in entries]}
+
+
+def _completion_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [dict(e["top"]) for e in entries],
+            "text_offset": [e["offset"] for e in entries]}

@@ -1,0 +1,87 @@
+"""`kvserve serve`: runs the app on uvloop with a graceful drain on SIGTERM / SIGINT.
+
+First signal: /health turns 503, new requests get 503, requests in flight run to the end for
+up to --shutdown-timeout seconds, then the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+
+from aiohttp import web
+
+from engine.config import EngineArgs
+from server.app import create_app
+from server.config import ServerConfig
+from server.state import ENGINE, STATE
+
+logger = logging.getLogger("kvserve")
+
+EXIT_FORCED = 1
+
+
+def run_serve(config: ServerConfig, engine_args: EngineArgs) -> int:
+    """Serves until a signal; returns the exit code."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return asyncio.run(serve(config, engine_args))
+    return uvloop.run(serve(config, engine_args))
+
+
+async def serve(config: ServerConfig, engine_args: EngineArgs) -> int:
+    """Starts the app, waits for a signal, drains, and cleans up."""
+    app = create_app(config, engine_args)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           handler_cancellation=True, shutdown_timeout=1.0)
+    await runner.setup()  # builds the engine: loads weights, logs the capacity lines
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    logger.info("kvserve is listening on http://%s:%d", config.host, _bound_port(site))
+    stop = asyncio.Event()
+    _install_signal_handlers(stop)
+    await stop.wait()
+    app[STATE].draining = True
+    await _drain(app, config.shutdown_timeout)
+    await runner.cleanup()
+    logger.info("kvserve stopped")
+    return 0
+
+
+def _bound_port(site: web.TCPSite) -> int:
+    server = site._server  # port 0 means "any": report the one the OS chose
+    sockets = getattr(server, "sockets", None) or []
+    return int(sockets[0].getsockname()[1]) if sockets else site._port
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            logger.warning("second signal: exiting now")
+            sys.stderr.flush()
+            os._exit(EXIT_FORCED)
+        logger.info("%s received: draining (send it again to exit at once)",
+                    signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+
+async def _drain(app: web.Application, timeout: float) -> None:
+    engine = app[ENGINE]
+    deadline = time.monotonic() + timeout
+    while engine.num_unfinished and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.num_unfinished:
+        logger.warning("shutdown timeout: aborting %d unfinished request(s)",
+                       engine.num_unfinished)
+    # Let the handlers write their last chunks before the sockets close.
+    await asyncio.sleep(0.1)
