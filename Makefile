@@ -1,4 +1,4 @@
-# Quick start: `make serve` (set up, then run the engine on the embedded SmolLM2-135M) and
+# Quick start: `make serve` (set up, then serve the embedded SmolLM2-135M on 127.0.0.1:8000) and
 # `make test` (set up, then run the whole test suite). Setup is idempotent.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: setup
-	$(VENV)/bin/kvserve generate
+	$(VENV)/bin/kvserve serve
 
 test: setup
 	$(PY) -m pytest -q

@@ -115,9 +115,8 @@ class AsyncEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for stream in list(self._streams.values()):
-            stream.put(EngineDeadError("the server is shutting down"))
-        self._streams.clear()
+        self._step_in_flight = False  # the loop is gone: abort now, not after a step
+        self.abort_all("the server is shutting down")
         self.engine.shutdown()
 
     @property
@@ -167,6 +166,13 @@ class AsyncEngine:
             self._pending_aborts.append(request_id)
         else:
             self._abort_now(request_id)
+
+    def abort_all(self, reason: str) -> None:
+        """Ends every unfinished request's stream with EngineDeadError(reason) and aborts it
+        (a drain that ran out of time): consumers see the error instead of a cut connection."""
+        for stream in list(self._streams.values()):
+            stream.put(EngineDeadError(reason))
+            stream.cancel()
 
     def _abort_now(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

@@ -43,6 +43,8 @@ class SamplingParams:
     def validate(self) -> None:
         """Raises ValueError naming the parameter and the accepted range."""
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
+        _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63),
+               f"seed must be a 64-bit integer, got {self.seed}")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be >= 0, got {self.temperature}")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1,

@@ -48,7 +48,7 @@ class SchedulerStats:
     """Counters the stats line and /metrics read."""
 
     num_preemptions: int = 0
-    num_prompt_tokens: int = 0
+    num_prompt_tokens: int = 0  # whole prompts (cache hits included) once prefilled, as vLLM
     num_generation_tokens: int = 0
 
 
@@ -173,19 +173,15 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             request.num_computed_tokens += len(item.token_ids)
-            self._count_tokens(request, len(item.token_ids))
             if item.sample and item.request_id in sampled:
+                if request.num_output_tokens == 0:  # prefill done: count the whole prompt,
+                    self.stats.num_prompt_tokens += request.num_prompt_tokens  # as vLLM does
                 request.append_output_token(sampled[item.request_id])
                 if item.request_id in logprobs:
                     request.logprobs.append(logprobs[item.request_id])
                 self._check_stop(request)
                 touched.append(request)
         return touched
-
-    def _count_tokens(self, request: Request, num_tokens: int) -> None:
-        num_prompt_left = max(0, request.num_prompt_tokens - (request.num_computed_tokens -
-                                                                num_tokens))
-        self.stats.num_prompt_tokens += min(num_tokens, num_prompt_left)
 
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params

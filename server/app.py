@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
@@ -122,6 +122,8 @@ def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
                engine_factory: EngineFactory | None = None) -> web.Application:
     """Builds the application; the engine is created on startup and stopped on cleanup."""
     config.validate()
+    # vLLM turns off the *_created series; dashboards built for it expect them absent.
+    disable_created_metrics()
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[error_middleware, drain_middleware, auth_middleware])
     app[CONFIG] = config
@@ -131,6 +133,7 @@ def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
         engine_args or EngineArgs(), model_name=names[0] if names else None,
         max_queue_len=config.max_queue_len, stats_interval_s=config.stats_interval_s))
     app.cleanup_ctx.append(_engine_context(factory))
+    app.on_shutdown.append(websocket.close_websockets)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)

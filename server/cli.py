@@ -33,7 +33,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of GPU memory kvserve may use (default: 0.9)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="KV cache size in bytes; overrides the memory-based sizing")
+                        help="KV cache size in bytes; overrides the memory-based sizing "
+                             "(default: unset)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse KV blocks of shared prefixes (default: on)")
     parser.add_argument("--kv-cache-dtype", default="auto",

@@ -27,8 +27,9 @@ class ServerConfig:
         """Raises ValueError naming the bad setting."""
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.max_queue_len is not None and self.max_queue_len < 0:
-            raise ValueError(f"--max-queue-len must be >= 0, got {self.max_queue_len}")
+        if self.max_queue_len is not None and self.max_queue_len < 1:
+            # Every new request waits at least until the next step, so 0 would refuse all.
+            raise ValueError(f"--max-queue-len must be >= 1, got {self.max_queue_len}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_body_bytes < 1024:
@@ -42,7 +43,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use in `model` (default: the model's name)")
     parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1 routes")
+                        help="require `Authorization: Bearer KEY` on /v1 routes (default: no key)")
     parser.add_argument("--max-queue-len", type=int, default=None,
                         help="waiting requests beyond this get 503 + Retry-After "
                              "(default: unbounded)")

@@ -161,7 +161,10 @@ def _start(engine: AsyncEngine, spec: CallSpec, prompts: list[PromptInput], para
         for stream in streams:  # a later prompt was bad: drop the ones already queued
             stream.cancel()
         raise
-    return Call(ResponseBuilder(spec, len(prompts)), streams, bool(req.stream))
+    builder = ResponseBuilder(spec, len(prompts))
+    # Known before any output, so the first chunk's continuous usage counts the prompt.
+    builder.prompt_tokens = [s.choices[0].num_prompt_tokens for s in streams]
+    return Call(builder, streams, bool(req.stream))
 
 
 def _prompt_text(engine: AsyncEngine, prompt: PromptInput) -> str:

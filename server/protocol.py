@@ -20,6 +20,9 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+# A 64-bit seed, as vLLM accepts; a larger one would fail inside the model step (torch's
+# generator), taking the whole batch down with it.
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -38,7 +41,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     n: PositiveInt | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegativeInt] | None = None

@@ -198,5 +198,16 @@ def _completion_logprobs(entries: list[dict[str, Any]] | None) -> dict[str, Any]
         return None
     return {"tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [dict(e["top"]) for e in entries],
+            "top_logprobs": [_top_with_chosen(e) for e in entries],
             "text_offset": [e["offset"] for e in entries]}
+
+
+def _top_with_chosen(entry: dict[str, Any]) -> dict[str, float]:
+    # OpenAI: "always returns the logprob of the sampled token, so there may be up to
+    # logprobs+1 elements". Distinct ids can decode to the same text (byte tokens all read
+    # "\ufffd"); the dict keeps the best-ranked one.
+    top: dict[str, float] = {}
+    for text, logprob in entry["top"]:
+        top.setdefault(text, logprob)
+    top.setdefault(entry["token"], entry["logprob"])
+    return top

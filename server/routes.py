@@ -9,9 +9,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from server.errors import from_exception
+from server.errors import APIError, from_exception
 from server.generation import Call, start_chat, start_completion
-from server.protocol import ChatCompletionRequest, CompletionRequest, decode
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, decode
 from server.state import ENGINE, MODEL
 
 logger = logging.getLogger("kvserve.server")
@@ -29,6 +29,7 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions."""
     body = decode(CompletionRequest, await request.read())
+    _check_stream_options(body)
     call = start_completion(request.app[ENGINE], request.app[MODEL], body)
     return await respond(request, call)
 
@@ -36,8 +37,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body = decode(ChatCompletionRequest, await request.read())
+    _check_stream_options(body)
     call = start_chat(request.app[ENGINE], request.app[MODEL], body)
     return await respond(request, call)
+
+
+def _check_stream_options(body: SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options")
 
 
 async def respond(request: web.Request, call: Call) -> web.StreamResponse:

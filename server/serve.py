@@ -83,5 +83,7 @@ async def _drain(app: web.Application, timeout: float) -> None:
     if engine.num_unfinished:
         logger.warning("shutdown timeout: aborting %d unfinished request(s)",
                        engine.num_unfinished)
+        engine.abort_all(f"the server is shutting down: --shutdown-timeout ({timeout} s) "
+                         "expired before this request finished")
     # Let the handlers write their last chunks before the sockets close.
     await asyncio.sleep(0.1)

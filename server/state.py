@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -16,6 +16,8 @@ class ServerState:
     """Mutable server-wide flags (event-loop thread only)."""
 
     draining: bool = False
+    # Open WebSockets, closed with 1001 (going away) when the server shuts down.
+    websockets: set[web.WebSocketResponse] = field(default_factory=set)
 
 
 CONFIG = web.AppKey("config", ServerConfig)

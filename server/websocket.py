@@ -7,7 +7,8 @@ Client messages (JSON text frames):
 Server messages:
   {"type": "delta", "id": ID, "data": <the SSE chunk's JSON>}
   {"type": "done", "id": ID, "finish_reasons": [...], "usage": {...}}   (exactly one per id)
-  {"type": "error", "id": ID | null, "error": {OpenAI error object}}   (ends that id)
+  {"type": "error", "id": ID | null, "error": {OpenAI error object}}   (ends that id; id is
+      null when the message had no usable id or reused one that is still running)
   {"type": "pong"}
 Closing the socket aborts every request it still carries.
 """
@@ -20,13 +21,13 @@ from typing import Any
 
 import msgspec
 import orjson
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from engine.async_engine import AsyncEngine
 from server.errors import APIError, bad_request, from_exception
 from server.generation import Call, ServedModel, start_chat, start_completion
 from server.protocol import ChatCompletionRequest, CompletionRequest, convert
-from server.state import CONFIG, ENGINE, MODEL
+from server.state import CONFIG, ENGINE, MODEL, STATE, ServerState
 
 logger = logging.getLogger("kvserve.server")
 
@@ -37,10 +38,11 @@ class WebSocketSession:
     """One socket: its running requests by client id and a single writer task."""
 
     def __init__(self, ws: web.WebSocketResponse, engine: AsyncEngine,
-                 model: ServedModel) -> None:
+                 model: ServedModel, state: ServerState) -> None:
         self.ws = ws
         self.engine = engine
         self.model = model
+        self.state = state
         self.tasks: dict[RequestId, asyncio.Task[None]] = {}
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._writer = asyncio.create_task(self._write_loop())
@@ -65,7 +67,7 @@ class WebSocketSession:
             message = orjson.loads(raw)
             if not isinstance(message, dict):
                 raise bad_request("a message must be a JSON object")
-            request_id = message.get("id")
+            request_id = _valid_id(message.get("id"))
             self._dispatch(message, request_id)
         except orjson.JSONDecodeError as exc:
             self.error(None, bad_request(f"the message is not valid JSON: {exc}"))
@@ -77,13 +79,17 @@ class WebSocketSession:
         if kind == "ping":
             self.send({"type": "pong"})
             return
-        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+        if request_id is None:
             raise bad_request("each message needs an \"id\" (a string or an integer)", "id")
         if kind == "cancel":
             self._cancel(request_id)
         elif kind in ("completion", "chat"):
-            if request_id in self.tasks:
-                raise bad_request(f"id {request_id!r} is already running on this socket", "id")
+            if request_id in self.tasks:  # reported without the id: that id is still running
+                self.error(None, bad_request(f"id {request_id!r} is already running on this "
+                                             "socket; the new request was refused", "id"))
+                return
+            if self.state.draining:  # as drain_middleware answers new HTTP requests
+                raise APIError(503, "the server is shutting down", code="shutting_down")
             call = self._start(kind, message)
             self.tasks[request_id] = asyncio.create_task(self._run(request_id, call))
         else:
@@ -135,13 +141,22 @@ class WebSocketSession:
         await asyncio.gather(self._writer, return_exceptions=True)
 
 
+def _valid_id(value: Any) -> RequestId | None:
+    """The message's id if it is a string or an integer (never echo back anything else)."""
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        return value
+    return None
+
+
 async def websocket(request: web.Request) -> web.WebSocketResponse:
     """GET /v1/ws."""
     config = request.app[CONFIG]
     ws = web.WebSocketResponse(heartbeat=config.ws_heartbeat_s,
                                max_msg_size=config.max_body_bytes)
     await ws.prepare(request)
-    session = WebSocketSession(ws, request.app[ENGINE], request.app[MODEL])
+    state = request.app[STATE]
+    session = WebSocketSession(ws, request.app[ENGINE], request.app[MODEL], state)
+    state.websockets.add(ws)
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
@@ -152,5 +167,12 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
                 logger.info("websocket error: %s", ws.exception())
                 break
     finally:
+        state.websockets.discard(ws)
         await session.close()
     return ws
+
+
+async def close_websockets(app: web.Application) -> None:
+    """on_shutdown: tells every open socket the server is going away (close code 1001)."""
+    for ws in list(app[STATE].websockets):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")

@@ -1,0 +1,260 @@
+"""Serving benchmark: `kvserve serve` vs. `transformers serve --continuous-batching`.
+
+Run as `python -m loadtest.bench_serve [--concurrency 16 64] [--only kvserve|peer]`, or
+`python -m loadtest.bench_serve --setup-peer` once to build the peer's venv (.venv-bench).
+Both servers serve the same float32 HF export of the embedded SmolLM2-135M-Instruct
+(`loadtest.hf_export`), one after the other on 127.0.0.1, each on a fresh free port. Each
+gets the same seeded chat prompts at each fixed concurrency (streamed, greedy, EOS ignored
+so every request makes exactly --max-tokens tokens) after a short warm-up. Prints a table
+and the kvserve / transformers ratios; writes markdown and JSON (docs/ when both ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import gc
+import os
+import random
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtest.bench_machine import cpu_model, cpu_seconds, other_cores, wait_for_quiet
+from loadtest.bench_offline import spread_lengths
+from loadtest.bench_serve_report import render, verdicts
+from loadtest.hf_export import DEFAULT_EXPORT_DIR, export_smollm2
+from loadtest.serve_process import (
+    ROOT,
+    RunningServer,
+    ServerSpec,
+    kvserve_spec,
+    peer_spec,
+    process_tree_cpu_seconds,
+    setup_peer_venv,
+    start_server,
+    stop_server,
+    wait_ready,
+)
+from loadtest.sse_client import StreamRequest, run_fixed_concurrency, summarize
+
+RESULTS = ROOT / "results"
+
+TOPICS = ["photosynthesis", "black holes", "the French Revolution", "compound interest",
+          "volcanoes", "the immune system", "machine learning", "the water cycle",
+          "plate tectonics", "the Roman Empire", "vaccines", "electric cars", "honey bees",
+          "the stock market", "climate change", "the internet", "DNA", "jazz music",
+          "the Moon landing", "recycling", "coffee", "earthquakes", "chess", "rainbows"]
+QUESTIONS = ["Can you explain {t} in simple terms?", "What are the most important facts "
+             "about {t}?", "Why does {t} matter to ordinary people?", "How would you teach "
+             "{t} to a ten-year-old?", "What are common misconceptions about {t}?",
+             "Write a short summary of {t}.", "What is the history of {t}?"]
+CONTEXT = ["I am preparing a short presentation for my class next week.",
+           "Please keep the answer clear and avoid jargon where you can.",
+           "My friend and I disagreed about this yesterday and I want to settle it.",
+           "I read an article about it but some parts were confusing.",
+           "Examples from everyday life would help me a lot.",
+           "I have only a basic background in science and history.",
+           "If there are numbers involved, please give rough figures.",
+           "I would also like to know what experts still argue about."]
+
+
+def build_messages(count: int, min_tokens: int, max_tokens: int, seed: int,
+                   tokenizer: Any) -> list[list[dict[str, str]]]:
+    """`count` single-turn chats whose user message is `min_tokens..max_tokens` tokens long
+    (evenly spread, shuffled): a question on a seeded topic padded with context sentences."""
+    rng = random.Random(seed)
+    chats = []
+    for target in spread_lengths(count, min_tokens, max_tokens, seed):
+        topic = rng.choice(TOPICS)
+        text = rng.choice(QUESTIONS).format(t=topic)
+        while len(tokenizer.encode(text, add_special_tokens=False)) < target:
+            text += " " + rng.choice(CONTEXT)
+        chats.append([{"role": "user", "content": text}])
+    return chats
+
+
+def make_requests(chats: Sequence[list[dict[str, str]]], model_id: str, max_tokens: int,
+                  extra_body: dict[str, Any]) -> list[StreamRequest]:
+    """Greedy streaming chat requests for one server (its model id and extra fields)."""
+    return [StreamRequest("chat", {"model": model_id, "messages": chat,
+                                   "max_tokens": max_tokens, "temperature": 0.0, **extra_body})
+            for chat in chats]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--setup-peer", action="store_true",
+                   help="create .venv-bench with transformers[serving] and exit")
+    p.add_argument("--only", choices=["kvserve", "peer"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per concurrency level (default: 2 x concurrency)")
+    p.add_argument("--peer-num-requests", type=int, default=None,
+                   help="requests per level for transformers (default: as --num-requests)")
+    p.add_argument("--min-input", type=int, default=32, help="fewest user-message tokens")
+    p.add_argument("--max-input", type=int, default=128, help="most user-message tokens")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (output lengths then differ)")
+    p.add_argument("--server-threads", type=int, default=2,
+                   help="torch threads of the server (client and server share the cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=4, help="warm-up requests before measuring")
+    p.add_argument("--time-limit", type=float, default=300.0,
+                   help="seconds after which a level starts no new request")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--wait-quiet", type=float, default=120.0, metavar="SECONDS",
+                   help="before each server, wait up to this long for other processes to idle")
+    p.add_argument("--model", type=Path, default=DEFAULT_EXPORT_DIR,
+                   help="HF folder both servers load (exported from the GGUF if missing)")
+    p.add_argument("--kvserve-args", default="", help="extra kvserve serve flags, one string")
+    p.add_argument("--peer-args", default="", help="extra transformers serve flags")
+    p.add_argument("--json", dest="json_path", type=Path, default=None)
+    p.add_argument("--markdown", dest="markdown_path", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def server_specs(ns: argparse.Namespace) -> list[ServerSpec]:
+    """The servers to run, kvserve first."""
+    specs = []
+    if ns.only in (None, "kvserve"):
+        specs.append(kvserve_spec(ns.model, ns.server_threads, max(ns.concurrency), RESULTS,
+                                  shlex.split(ns.kvserve_args)))
+    if ns.only in (None, "peer"):
+        specs.append(peer_spec(ns.model, ns.server_threads, RESULTS, shlex.split(ns.peer_args)))
+    if not ns.ignore_eos:
+        for spec in specs:
+            spec.extra_body = {}
+    return specs
+
+
+def requests_for(ns: argparse.Namespace, spec: ServerSpec, concurrency: int) -> int:
+    """How many requests one level sends to one server."""
+    default = ns.num_requests or 2 * concurrency
+    return (ns.peer_num_requests or default) if spec.name != "kvserve" else default
+
+
+def measure_level(ns: argparse.Namespace, server: RunningServer, model_id: str,
+                  chats: Sequence[list[dict[str, str]]], concurrency: int) -> dict[str, Any]:
+    """One fixed-concurrency run with the CPU used meanwhile by the server, this client and
+    everything else."""
+    requests = make_requests(chats, model_id, ns.max_tokens, server.spec.extra_body)
+    before, server_before = cpu_seconds(), process_tree_cpu_seconds(server.proc.pid)
+    result = asyncio.run(run_fixed_concurrency(
+        server.spec.base_url, requests, concurrency, ns.time_limit,
+        request_timeout_s=ns.request_timeout))
+    after, server_after = cpu_seconds(), process_tree_cpu_seconds(server.proc.pid)
+    summary = summarize(result)
+    summary["server_alive"] = server.proc.poll() is None
+    summary["prompt_tokens_mean"] = _mean([r.prompt_tokens for r in result.records
+                                           if r.prompt_tokens is not None])
+    summary.update(_cpu_split(before, after, server_before, server_after, result.wall_s))
+    # Every request's timings, for looking into stalls behind a percentile.
+    (RESULTS / f"bench_serve_{server.spec.name}_c{concurrency}_records.json").write_bytes(
+        orjson.dumps([dataclasses.asdict(r) for r in result.records]))
+    return summary
+
+
+def _cpu_split(before: tuple[float, float] | None, after: tuple[float, float] | None,
+               server_before: float | None, server_after: float | None, wall: float
+               ) -> dict[str, float | None]:
+    """Mean cores used by the server, by this client, and by other processes."""
+    if before is None or after is None or server_before is None or server_after is None:
+        return {"server_cores": None, "client_cores": None, "other_cores": None}
+    server = (server_after - server_before) / wall
+    client = (after[1] - before[1]) / wall
+    # other_cores() already excludes this process; the server is excluded here.
+    return {"server_cores": server, "client_cores": client,
+            "other_cores": max(0.0, other_cores(before, after, wall) - server)}
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def run_server(ns: argparse.Namespace, spec: ServerSpec, tokenizer: Any) -> dict[str, Any]:
+    """Start, warm up, measure every concurrency level, stop; the log tail on failure."""
+    waited = wait_for_quiet(ns.wait_quiet) if ns.wait_quiet > 0 else 0.0
+    print(f"[{spec.name}] {spec.command_line()}", flush=True)
+    server = start_server(spec)
+    levels: list[dict[str, Any]] = []
+    try:
+        model_id = wait_ready(server, ns.ready_timeout)
+        warm = build_messages(ns.warmup, ns.min_input, ns.max_input, ns.seed + 999, tokenizer)
+        warmed = asyncio.run(run_fixed_concurrency(spec.base_url, make_requests(
+            warm, model_id, 8, spec.extra_body), max(1, ns.warmup)))
+        for record in warmed.records:
+            if not record.ok:  # the same failure would repeat in every level; show it early
+                print(f"[{spec.name}] warm-up request failed: {record.error}", flush=True)
+        for c in ns.concurrency:
+            chats = build_messages(requests_for(ns, spec, c), ns.min_input, ns.max_input,
+                                   ns.seed + c, tokenizer)
+            levels.append(measure_level(ns, server, model_id, chats, c))
+            print(f"[{spec.name}] c={c}: {_short(levels[-1])}", flush=True)
+            if not levels[-1]["server_alive"]:
+                break
+    finally:
+        code = stop_server(server)
+    return {"name": spec.name, "command": spec.command_line(), "log": str(spec.log_path),
+            "model_id": model_id, "levels": levels, "exit_code": code,
+            "waited_for_quiet_s": waited}
+
+
+def _short(s: dict[str, Any]) -> str:
+    return (f"{s['ok']} ok, {s['failed']} failed, {s['output_tok_s']:.1f} tok/s, "
+            f"TTFT p99 {s['ttft_p99_ms'] or 0:.0f} ms, ITL p99 {s['itl_p99_ms'] or 0:.0f} ms")
+
+
+def environment(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """Machine, versions, threads and the command that produced the report."""
+    import torch
+    import transformers
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "server_threads": ns.server_threads,
+            "command": "python -m loadtest.bench_serve " + shlex.join(argv)}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parse_args(argv)
+    if ns.setup_peer:
+        setup_peer_venv()
+        return
+    from transformers import AutoTokenizer
+
+    model = export_smollm2(ns.model.expanduser())
+    tokenizer = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    servers = []
+    for spec in server_specs(ns):
+        try:
+            servers.append(run_server(ns, spec, tokenizer))
+        except (RuntimeError, TimeoutError) as exc:  # report it, still run the other side
+            print(f"[{spec.name}] FAILED: {exc}", file=sys.stderr, flush=True)
+            servers.append({"name": spec.name, "command": spec.command_line(),
+                            "log": str(spec.log_path), "levels": [], "error": str(exc)})
+        gc.collect()
+    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()},
+              "env": environment(ns, argv), "servers": servers}
+    report["verdicts"] = verdicts(report)
+    text = render(report)
+    print(text)
+    suffix = "" if ns.only is None else f"_{ns.only}"
+    base = ROOT / "docs" if ns.only is None else RESULTS
+    (ns.json_path or base / f"bench_serve{suffix}.json").write_bytes(
+        orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    (ns.markdown_path or base / f"bench_serve{suffix}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

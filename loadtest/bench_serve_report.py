@@ -1,0 +1,133 @@
+"""The serving benchmark's report: the results table, kvserve / transformers ratios, the
+target verdicts and the markdown page (docs/bench_serve.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadtest.bench_config import QUIET_CORES
+from loadtest.bench_report import format_table, ratio
+
+THROUGHPUT_TARGET = 10.0  # kvserve output tok/s over transformers serve's, per level
+PEER_NAME = "transformers"
+
+PEER_NOTES = [
+    "`transformers serve` rejects fields outside its schema with HTTP 422 (so no vLLM-style "
+    "`ignore_eos`); EOS is switched off there through its per-request `generation_config` "
+    "JSON (`eos_token_id: -1`), kvserve gets `ignore_eos: true`",
+    "it accepts `stream_options` but ignores it (logs a warning): usage always arrives on "
+    "the last content chunk (with finish_reason), and the stream ends without `data: [DONE]`",
+    "it also ignores (with a warning) `n`, `logprobs`, `top_logprobs`, `presence_penalty`, "
+    "`response_format`, `tool_choice`, `user`; `seed` reseeds the whole process; with "
+    "continuous batching only max_tokens and EOS are per request: the sampling settings of "
+    "the first request are used for all",
+    "special tokens (e.g. `<|im_end|>` once EOS is ignored) produce no content chunk there, "
+    "so its ITL list can be shorter than its token count; output tokens come from usage",
+]
+
+
+def level_rows(report: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """One table row per (server, concurrency)."""
+    rows: list[tuple[Any, ...]] = []
+    for server in report["servers"]:
+        if not server["levels"]:
+            rows.append((server["name"], "-", "FAILED", None, None, None, None, None, None,
+                         None, None))
+        for lv in server["levels"]:
+            rows.append((server["name"], lv["concurrency"],
+                         f"{lv['ok']}/{lv['failed']}" + (f" (+{lv['not_started']} not run)"
+                                                         if lv["not_started"] else ""),
+                         lv["output_tok_s"], lv["ttft_p50_ms"], lv["ttft_p99_ms"],
+                         lv["itl_p50_ms"], lv["itl_p99_ms"], lv["e2e_p50_ms"],
+                         lv["server_cores"], lv["other_cores"]))
+    return rows
+
+
+def results_table(report: dict[str, Any]) -> str:
+    """The main table."""
+    return format_table(("server", "concurrency", "ok/failed", "output tok/s", "TTFT p50 (ms)",
+                         "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "E2E p50 (ms)",
+                         "server CPU (cores)", "others' CPU (cores)"), level_rows(report))
+
+
+def _levels(report: dict[str, Any], name: str) -> dict[int, dict[str, Any]]:
+    for server in report["servers"]:
+        if server["name"] == name:
+            return {lv["concurrency"]: lv for lv in server["levels"]}
+    return {}
+
+
+def verdicts(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per concurrency level measured on both servers: the ratios and whether kvserve meets
+    the target (>= 10x output tok/s, lower p99 TTFT, lower p99 ITL)."""
+    kv, peer = _levels(report, "kvserve"), _levels(report, PEER_NAME)
+    out = []
+    for c in sorted(set(kv) & set(peer)):
+        a, b = kv[c], peer[c]
+        tps = ratio(a["output_tok_s"], b["output_tok_s"])
+        ttft = ratio(a["ttft_p99_ms"], b["ttft_p99_ms"])
+        itl = ratio(a["itl_p99_ms"], b["itl_p99_ms"])
+        met = (tps is not None and tps >= THROUGHPUT_TARGET and ttft is not None and ttft < 1
+               and itl is not None and itl < 1 and a["failed"] == 0)
+        out.append({"concurrency": c, "tok_s_ratio": tps, "ttft_p99_ratio": ttft,
+                    "itl_p99_ratio": itl, "kvserve_failed": a["failed"], "met": met})
+    return out
+
+
+def verdict_table(report: dict[str, Any]) -> str:
+    """kvserve / transformers ratios per level."""
+    rows = [(v["concurrency"], _x(v["tok_s_ratio"]), _x(v["ttft_p99_ratio"]),
+             _x(v["itl_p99_ratio"]), "met" if v["met"] else "MISSED")
+            for v in report["verdicts"]]
+    return format_table(("concurrency", "output tok/s (kvserve / transformers)",
+                         "TTFT p99 (kvserve / transformers)",
+                         "ITL p99 (kvserve / transformers)", "target"), rows)
+
+
+def _x(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}x"
+
+
+def warnings(report: dict[str, Any]) -> list[str]:
+    """Server failures and CPU contention that make numbers suspect."""
+    lines = []
+    for server in report["servers"]:
+        if server.get("error"):
+            lines.append(f"WARNING: {server['name']} failed: {server['error'].splitlines()[0]}")
+        for lv in server["levels"]:
+            if lv["failed"]:
+                lines.append(f"WARNING: {server['name']} c={lv['concurrency']}: {lv['failed']} "
+                             f"failed requests, e.g. {lv['errors'][:2]}")
+            if (lv["other_cores"] or 0.0) > QUIET_CORES:
+                lines.append(f"WARNING: {server['name']} c={lv['concurrency']}: other processes "
+                             f"kept {lv['other_cores']:.2f} cores busy; its timings understate it")
+    return lines
+
+
+def render(report: dict[str, Any]) -> str:
+    """The whole report as markdown (also what gets printed)."""
+    env, cfg = report["env"], report["config"]
+    commands = [f"    {s['name']}: {s['command']}" for s in report["servers"]]
+    parts = [
+        "## Serving benchmark: kvserve vs. transformers serve --continuous-batching",
+        f"date {env['date']}; cpu {env['cpu']}; {env['cpu_count']} cores shared by server "
+        f"and client; server threads {env['server_threads']}; torch {env['torch']}, "
+        f"transformers {env['transformers']}",
+        f"workload: streamed chat completions of SmolLM2-135M-Instruct (the same float32 HF "
+        f"folder for both), user messages {cfg['min_input']}..{cfg['max_input']} tokens "
+        f"(seeded, {cfg['seed']}) plus the chat template's system prompt, "
+        f"{cfg['max_tokens']} output tokens each, temperature 0, "
+        f"EOS {'ignored' if cfg['ignore_eos'] else 'honoured'}; requests per level: "
+        f"{cfg['num_requests'] or '2 x concurrency'} (transformers: "
+        f"{cfg['peer_num_requests'] or 'the same'}); {cfg['warmup']} warm-up requests first",
+        "### Results", results_table(report),
+        "TTFT: to the first content chunk. ITL: gaps between later content chunks, pooled "
+        "over requests. Output tok/s: usage tokens of successful requests / level wall time. "
+        "Server CPU: the server's process tree; others: all other processes but this client.",
+    ]
+    if report["verdicts"]:
+        parts += ["### kvserve / transformers (target: >= 10x output tok/s, lower p99 TTFT "
+                  "and ITL)", verdict_table(report)]
+    parts += ["### Notes", "\n".join(f"- {w}" for w in warnings(report) + PEER_NOTES),
+              "### Commands", "```\n" + env["command"] + "\n" + "\n".join(commands) + "\n```"]
+    return "\n\n".join(parts) + "\n"

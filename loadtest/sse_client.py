@@ -1,0 +1,296 @@
+"""An async streaming client for OpenAI-compatible servers, with per-request latency records.
+
+`stream_request` sends one `stream: true` chat or text completion and times it: TTFT (to the
+first non-empty content chunk), the gaps between later content chunks (ITL), and end to end.
+`run_fixed_concurrency` keeps C requests in flight until N are done or a time limit passes,
+and `summarize` turns the records into throughput and latency percentiles.
+
+Server errors never raise: an HTTP error status, an in-stream `{"error": ...}` object, a
+dropped connection or a timeout each come back as a record with `ok=False`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+DONE = "[DONE]"
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """One request: `kind` is "chat" (payload has `messages`) or "completions" (`prompt`).
+    The client adds `stream` and `stream_options` itself."""
+
+    kind: str
+    payload: dict[str, Any]
+
+
+@dataclass
+class RequestRecord:
+    """What one streamed request did; times are seconds from sending it."""
+
+    ok: bool = False
+    status: int | None = None
+    error: str = ""
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    usage_reported: bool = False
+    finish_reason: str | None = None
+    text: str = ""
+
+
+# ---- SSE framing --------------------------------------------------------------------------
+
+
+class SSEParser:
+    """Incremental server-sent-events parser: feed it lines, get back each event's data.
+
+    Per the SSE spec an event is its `data:` lines joined by newlines, ended by a blank line;
+    comment lines (starting ':') and other fields (event:, id:, retry:) are skipped.
+    """
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed_line(self, raw: bytes | str) -> str | None:
+        """Takes one line (with or without its line ending); returns an event's data when
+        this line completes one, else None."""
+        line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        line = line.rstrip("\r\n")
+        if not line:
+            return self.flush()
+        if line.startswith("data:"):
+            value = line[5:]
+            self._data.append(value[1:] if value.startswith(" ") else value)
+        return None
+
+    def flush(self) -> str | None:
+        """Ends the pending event (at a blank line, or at end of stream for servers that
+        close without one); returns its data, or None when nothing was pending."""
+        if not self._data:
+            return None
+        data, self._data = "\n".join(self._data), []
+        return data
+
+
+def chunk_content(chunk: dict[str, Any]) -> tuple[str, str | None]:
+    """(text delta, finish_reason) of a chat or text-completion chunk; ("", None) for a
+    usage-only chunk with no choices."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return "", None
+    choice = choices[0]
+    delta = choice.get("delta")
+    text = (delta.get("content") if isinstance(delta, dict) else choice.get("text")) or ""
+    return text, choice.get("finish_reason")
+
+
+def error_text(error: Any) -> str:
+    """A one-line message from an OpenAI-style `error` value (a dict or a plain string)."""
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)
+
+
+# ---- one request --------------------------------------------------------------------------
+
+
+class _Timer:
+    """Collects content-chunk arrival times into a record as they come."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.chunks = 0
+        self.parts: list[str] = []
+
+    def content(self, text: str) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.record.ttft_s = now - self.start
+        else:
+            self.record.itl_s.append(now - self.last)
+        self.last = now
+        self.chunks += 1
+        self.parts.append(text)
+
+    def finish(self) -> RequestRecord:
+        rec = self.record
+        rec.e2e_s = time.perf_counter() - self.start
+        rec.text = "".join(self.parts)
+        if not rec.usage_reported:
+            rec.output_tokens = self.chunks  # one token a chunk is the best guess without usage
+        return rec
+
+
+def build_body(req: StreamRequest, include_usage: bool) -> dict[str, Any]:
+    """The JSON body actually sent: the payload plus the streaming switches."""
+    body = dict(req.payload)
+    body["stream"] = True
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def stream_request(session: aiohttp.ClientSession, base_url: str, req: StreamRequest,
+                         include_usage: bool = True, timeout_s: float = 600.0) -> RequestRecord:
+    """Sends one streaming request and times it; never raises for server-side failures."""
+    record = RequestRecord()
+    timer = _Timer(record)
+    url = base_url.rstrip("/") + ENDPOINTS[req.kind]
+    try:
+        async with session.post(url, data=orjson.dumps(build_body(req, include_usage)),
+                                headers={"Content-Type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            record.status = resp.status
+            if resp.status != 200:
+                record.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return timer.finish()
+            await _read_stream(resp, timer)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        record.ok, record.error = False, f"{type(exc).__name__}: {exc}"
+    return timer.finish()
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, timer: _Timer) -> None:
+    """Reads SSE events until [DONE], an error event, or the end of the body. A stream that
+    ends without [DONE] still counts as ok (some servers never send it) when it produced
+    a finish_reason."""
+    parser, record = SSEParser(), timer.record
+    async for line in resp.content:
+        data = parser.feed_line(line)
+        if data is not None and _handle_event(data, timer):
+            return
+    data = parser.flush()
+    if data is not None and _handle_event(data, timer):
+        return
+    record.ok = record.finish_reason is not None
+    if not record.ok:
+        record.error = "stream ended without [DONE] or a finish_reason"
+
+
+def _handle_event(data: str, timer: _Timer) -> bool:
+    """Applies one event to the record; True when the stream is over (done or failed)."""
+    record = timer.record
+    if data.strip() == DONE:
+        record.ok = True
+        return True
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        record.error = f"bad SSE data: {data[:200]!r}"
+        return True
+    if not isinstance(chunk, dict):
+        record.error = f"unexpected SSE data: {data[:200]!r}"
+        return True
+    if "error" in chunk:
+        record.error = "in-stream error: " + error_text(chunk["error"])
+        return True
+    text, finish = chunk_content(chunk)
+    if text:
+        timer.content(text)
+    if finish is not None:
+        record.finish_reason = finish
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+        record.usage_reported = True
+        record.output_tokens = int(usage["completion_tokens"])
+        record.prompt_tokens = usage.get("prompt_tokens")
+    return False
+
+
+# ---- many requests ------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """Records of one fixed-concurrency run, in completion order, and its wall time."""
+
+    records: list[RequestRecord]
+    wall_s: float
+    concurrency: int
+    not_started: int = 0  # requests skipped because the time limit passed first
+
+
+async def run_fixed_concurrency(base_url: str, requests: Sequence[StreamRequest],
+                                concurrency: int, time_limit_s: float = math.inf,
+                                include_usage: bool = True, request_timeout_s: float = 600.0
+                                ) -> RunResult:
+    """Runs `requests` with `concurrency` in flight at once (C workers sharing one queue).
+    No request starts after `time_limit_s`; those already running finish (bounded by
+    `request_timeout_s`), so the run ends within roughly the sum of the two."""
+    todo: Iterator[StreamRequest] = iter(requests)
+    records: list[RequestRecord] = []
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+    # One connection per worker: the default pool cap (100) would queue requests client-side
+    # at higher concurrency and show up as server TTFT.
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            for req in todo:  # a shared iterator: each request goes to exactly one worker
+                if time.perf_counter() >= deadline:
+                    return
+                records.append(await stream_request(session, base_url, req, include_usage,
+                                                    request_timeout_s))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    return RunResult(records, wall, concurrency, not_started=len(requests) - len(records))
+
+
+# ---- statistics ---------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between order statistics
+    (numpy's default); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    """Throughput over the run's wall time and latency percentiles (ms) over the successful
+    requests; ITL pools every gap of every request, as serving benchmarks usually do."""
+    ok = [r for r in result.records if r.ok]
+    failed = [r for r in result.records if not r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itl = list(itertools.chain.from_iterable(r.itl_s for r in ok))
+    e2e = [r.e2e_s for r in ok]
+
+    def ms(values: Sequence[float], q: float) -> float | None:
+        value = percentile(values, q)
+        return None if value is None else value * 1e3
+
+    return {
+        "concurrency": result.concurrency, "requests": len(result.records),
+        "ok": len(ok), "failed": len(failed), "not_started": result.not_started,
+        "output_tokens": tokens, "wall_s": result.wall_s,
+        "output_tok_s": tokens / result.wall_s if result.wall_s > 0 else 0.0,
+        "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
+        "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99),
+        "e2e_p50_ms": ms(e2e, 50),
+        "usage_reported": sum(r.usage_reported for r in ok),
+        "errors": sorted({r.error for r in failed})[:5],
+    }
