@@ -26,9 +26,15 @@ from typing import Any
 
 import orjson
 
-from loadtest.bench_machine import cpu_model, cpu_seconds, other_cores, wait_for_quiet
+from loadtest.bench_machine import (
+    cpu_model,
+    cpu_seconds,
+    matmul_gflops,
+    other_cores,
+    wait_for_quiet,
+)
 from loadtest.bench_offline import spread_lengths
-from loadtest.bench_serve_report import render, verdicts
+from loadtest.bench_serve_report import ceiling_tok_s, render, verdicts
 from loadtest.hf_export import DEFAULT_EXPORT_DIR, export_smollm2
 from loadtest.serve_process import (
     ROOT,
@@ -224,6 +230,28 @@ def environment(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
             "command": "python -m loadtest.bench_serve " + shlex.join(argv)}
 
 
+def compute_ceiling(ns: argparse.Namespace, model: Path, servers: Sequence[dict[str, Any]]
+                    ) -> dict[str, Any] | None:
+    """The workload's output tok/s at the machine's matmul peak (measured now, with the
+    servers' thread count, after they stopped)."""
+    import torch
+
+    from engine.config import ModelConfig
+
+    prompts = [lv["prompt_tokens_mean"] for s in servers for lv in s["levels"]
+               if lv.get("prompt_tokens_mean")]
+    if not prompts:
+        return None
+    mc = ModelConfig.from_folder(model)
+    torch.set_num_threads(ns.server_threads)
+    peak = matmul_gflops(2048, 2048, 2048)
+    prompt = sum(prompts) / len(prompts)
+    tok_s = ceiling_tok_s(peak, mc.num_params(), mc.vocab_size * mc.hidden_size, prompt,
+                          ns.max_tokens)
+    return {"tok_s": tok_s, "peak_gflops": peak, "prompt_tokens": prompt,
+            "output_tokens": ns.max_tokens, "params": mc.num_params()}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -244,8 +272,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             servers.append({"name": spec.name, "command": spec.command_line(),
                             "log": str(spec.log_path), "levels": [], "error": str(exc)})
         gc.collect()
-    report = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()},
-              "env": environment(ns, argv), "servers": servers}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()}
+    report: dict[str, Any] = {"config": config, "env": environment(ns, argv), "servers": servers}
+    report["ceiling"] = compute_ceiling(ns, model, servers)
     report["verdicts"] = verdicts(report)
     text = render(report)
     print(text)

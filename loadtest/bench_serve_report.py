@@ -12,6 +12,9 @@ THROUGHPUT_TARGET = 10.0  # kvserve output tok/s over transformers serve's, per 
 PEER_NAME = "transformers"
 
 PEER_NOTES = [
+    "kvserve runs with its defaults (prefix caching on, as in vLLM: the chat template's "
+    "shared system prompt is reused; max-num-batched-tokens 8192 for this 8k-context "
+    "model, so a burst of 64 prompts is prefilled in one step)",
     "`transformers serve` rejects fields outside its schema with HTTP 422 (so no vLLM-style "
     "`ignore_eos`); EOS is switched off there through its per-request `generation_config` "
     "JSON (`eos_token_id: -1`), kvserve gets `ignore_eos: true`",
@@ -21,8 +24,9 @@ PEER_NOTES = [
     "`response_format`, `tool_choice`, `user`; `seed` reseeds the whole process; with "
     "continuous batching only max_tokens and EOS are per request: the sampling settings of "
     "the first request are used for all",
-    "special tokens (e.g. `<|im_end|>` once EOS is ignored) produce no content chunk there, "
-    "so its ITL list can be shorter than its token count; output tokens come from usage",
+    "on both servers a token that decodes to no text (a special token once EOS is ignored, "
+    "part of a character) sends no content chunk, so a request can have fewer ITL gaps than "
+    "tokens; output tokens always come from the servers' usage counts",
 ]
 
 
@@ -104,6 +108,31 @@ def warnings(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def ceiling_tok_s(peak_gflops: float, params: int, lm_head_params: int, prompt_tokens: float,
+                  output_tokens: int) -> float:
+    """Output tokens/s if every linear layer ran at the matmul peak and nothing else cost
+    time: each prompt and output token goes through the body once, and only output tokens
+    (the last prompt position, at most) through the LM head."""
+    body = params - lm_head_params
+    flops = 2 * (body * (prompt_tokens + output_tokens) + lm_head_params * output_tokens)
+    return peak_gflops * 1e9 * output_tokens / flops
+
+
+def ceiling_lines(report: dict[str, Any]) -> list[str]:
+    """The compute ceiling of the workload, next to what 10x the peer would need."""
+    ceiling = report.get("ceiling")
+    if not ceiling:
+        return []
+    peer = _levels(report, PEER_NAME)
+    need = ", ".join(f"c={c}: {THROUGHPUT_TARGET * lv['output_tok_s']:.0f}"
+                     for c, lv in sorted(peer.items()))
+    return [f"Compute ceiling of this workload: {ceiling['tok_s']:.0f} output tok/s (linear "
+            f"layers only at the measured float32 matmul peak of {ceiling['peak_gflops']:.0f} "
+            f"GFLOP/s, {ceiling['prompt_tokens']:.0f} prompt + {ceiling['output_tokens']} "
+            f"output tokens a request, attention not counted)"
+            + (f"; 10x transformers would need {need}" if need else "")]
+
+
 def render(report: dict[str, Any]) -> str:
     """The whole report as markdown (also what gets printed)."""
     env, cfg = report["env"], report["config"]
@@ -128,6 +157,7 @@ def render(report: dict[str, Any]) -> str:
     if report["verdicts"]:
         parts += ["### kvserve / transformers (target: >= 10x output tok/s, lower p99 TTFT "
                   "and ITL)", verdict_table(report)]
+    parts += ceiling_lines(report)
     parts += ["### Notes", "\n".join(f"- {w}" for w in warnings(report) + PEER_NOTES),
               "### Commands", "```\n" + env["command"] + "\n" + "\n".join(commands) + "\n```"]
     return "\n\n".join(parts) + "\n"
