@@ -124,7 +124,8 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.seed is not None and i > 0:  # n seeded choices must differ from each other
-                child_params = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+                seed = (params.seed + i + 2**63) % 2**64 - 2**63  # stays a 64-bit seed
+                child_params = SamplingParams(**{**params.__dict__, "seed": seed})
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             choices.append(Request(rid, prompt_ids, child_params, self.eos_token_ids, max_tokens,
                                    parent=choices[0] if choices else None, choice_index=i))
