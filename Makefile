@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvserve-installed
 
-.PHONY: setup serve test bench lint clean
+.PHONY: setup serve test bench bench-serve lint clean
 
 setup: $(STAMP)
 
@@ -28,9 +28,15 @@ test: setup
 bench: setup
 	$(PY) -m loadtest.bench_offline
 
+# The serving benchmark against `transformers serve --continuous-batching`, which runs from its
+# own environment (.venv-bench, created on first use) so its extras stay out of kvserve's.
+bench-serve: setup
+	test -x .venv-bench/bin/transformers || $(PY) -m loadtest.bench_serve --setup-peer
+	$(PY) -m loadtest.bench_serve --json docs/bench_serve.json --markdown docs/bench_serve.md
+
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy engine kernels server loadtest
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-bench .pytest_cache

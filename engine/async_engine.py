@@ -18,10 +18,12 @@ from typing import Any
 
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine, PromptInput
-from engine.metrics import EngineMetrics, StatsLogger
+from engine.metrics import EngineMetrics, StatsLogger, StepTimes
+from engine.model_runner import StepResult
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("kvserve")
 
@@ -85,7 +87,8 @@ class AsyncEngine:
         self.model_name = model_name or engine.source.name
         self.max_queue_len = max_queue_len
         self.metrics = EngineMetrics(engine, self.model_name)
-        self.stats_logger = StatsLogger(engine, stats_interval_s)
+        self.step_times = StepTimes()
+        self.stats_logger = StatsLogger(engine, stats_interval_s, self.step_times)
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: list[str] = []
         self._step_in_flight = False
@@ -202,20 +205,24 @@ class AsyncEngine:
             self._streams.clear()
 
     async def _step(self) -> None:
-        engine = self.engine
+        engine, times = self.engine, self.step_times
+        started = time.perf_counter()
         batch = engine.schedule()
         if not batch.requests:
             await asyncio.sleep(0.001)  # nothing admissible yet (a sibling waits); yield
             return
         self.metrics.iteration_tokens.observe(batch.num_tokens)
         self._step_in_flight = True
+        scheduled = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(engine.worker, engine.execute, batch)
+            result, forward_s = await loop.run_in_executor(engine.worker, _timed_execute,
+                                                           engine, batch)
+            returned = time.perf_counter()
             outputs = engine.apply(batch, result)
         except Exception:
             logger.exception("a model step failed; its requests end with finish_reason=error")
-            outputs = engine.fail(batch)
+            outputs, forward_s, returned = engine.fail(batch), 0.0, time.perf_counter()
         finally:
             self._step_in_flight = False
         self.num_steps += 1
@@ -223,6 +230,8 @@ class AsyncEngine:
         pending, self._pending_aborts = self._pending_aborts, []
         for request_id in pending:
             self._abort_now(request_id)
+        times.add(scheduled - started, forward_s, returned - scheduled - forward_s,
+                  time.perf_counter() - returned)
 
     def _route(self, outputs: list[RequestOutput], now: float) -> None:
         for output in outputs:
@@ -251,6 +260,13 @@ class AsyncEngine:
             if scheduled is not None:
                 metrics.queue_time.observe(max(0.0, scheduled - stream.choices[0].arrival_time))
             metrics.request_finished(output.outputs[0].finish_reason or "stop")
+
+
+def _timed_execute(engine: LLMEngine, batch: SchedulerOutput) -> tuple[StepResult, float]:
+    """Runs on the worker thread: the step and how long the model itself took."""
+    started = time.perf_counter()
+    result = engine.execute(batch)
+    return result, time.perf_counter() - started
 
 
 def _snapshot(output: RequestOutput) -> RequestOutput:

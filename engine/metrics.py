@@ -123,6 +123,43 @@ class EngineMetrics:
 
 
 @dataclass
+class StepTimes:
+    """Where step time goes, summed over steps: scheduling, the model on the worker thread,
+    handing the batch over and back, and applying results (detokenize, stop checks, routing
+    deltas). The non-model shares are the engine's overhead."""
+
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    handoff_s: float = 0.0
+    apply_s: float = 0.0
+    num_steps: int = 0
+
+    def add(self, schedule_s: float, forward_s: float, handoff_s: float,
+            apply_s: float) -> None:
+        """Adds one step's times."""
+        self.schedule_s += schedule_s
+        self.forward_s += forward_s
+        self.handoff_s += handoff_s
+        self.apply_s += apply_s
+        self.num_steps += 1
+
+    def reset(self) -> None:
+        """Starts a new interval."""
+        self.schedule_s = self.forward_s = self.handoff_s = self.apply_s = 0.0
+        self.num_steps = 0
+
+    def summary(self) -> str:
+        """One line with each part's share of the total and the mean step."""
+        total = self.schedule_s + self.forward_s + self.handoff_s + self.apply_s
+        if not self.num_steps or total <= 0:
+            return "no steps"
+        shares = ", ".join(f"{name} {value / total * 100:.1f}%" for name, value in (
+            ("model", self.forward_s), ("schedule", self.schedule_s),
+            ("handoff", self.handoff_s), ("apply", self.apply_s)))
+        return f"Steps: {self.num_steps}, mean {total / self.num_steps * 1000:.1f} ms ({shares})"
+
+
+@dataclass
 class _Snapshot:
     time: float
     prompt_tokens: int
@@ -132,9 +169,11 @@ class _Snapshot:
 class StatsLogger:
     """Logs vLLM's throughput/usage line at most once per interval, only while busy."""
 
-    def __init__(self, engine: LLMEngine, interval_s: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, interval_s: float = 10.0,
+                 step_times: StepTimes | None = None) -> None:
         self.engine = engine
         self.interval_s = interval_s
+        self.step_times = step_times
         self._last = self._snapshot()
 
     def _snapshot(self) -> _Snapshot:
@@ -150,6 +189,9 @@ class StatsLogger:
         line = self.format_line(now, elapsed)
         self._last = now
         logger.info(line)
+        if self.step_times is not None:
+            logger.debug(self.step_times.summary())
+            self.step_times.reset()  # shares per interval
         return line
 
     def idle(self) -> None:

@@ -95,6 +95,12 @@ def test_generate_deltas_concatenate_to_the_offline_result(llm: LLM,
     async def body(engine: AsyncEngine) -> list[list[RequestOutput]]:
         results = await asyncio.gather(*(consume(engine, i) for i in range(len(prompts))))
         assert_idle(engine)
+        # The step-time split counts every step, and the model takes part of each.
+        times = engine.step_times
+        assert times.num_steps == engine.num_steps >= max(max_tokens)
+        assert times.forward_s > 0 and min(times.schedule_s, times.handoff_s,
+                                           times.apply_s) >= 0
+        assert times.summary().startswith(f"Steps: {engine.num_steps}, mean ")
         return results
 
     results = run_with_engine(tiny_llama_dir, body)
