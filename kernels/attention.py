@@ -48,35 +48,78 @@ class _TorchPlan:
 
 
 class AttentionBackend(Protocol):
-    """The two ops a model layer needs; the torch and Triton backends share this shape."""
+    """The two ops a model layer needs; the torch and Triton backends share this shape.
+
+    `k_scale` / `v_scale` are the per-layer dequantization scales of an fp8 KV cache (stored =
+    value / scale); they are 1.0 and unused when the cache has the model's dtype.
+    """
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata) -> None: ...
+                          v_cache: torch.Tensor, meta: AttentionMetadata,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None: ...
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                  meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor: ...
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """Whether a KV cache tensor stores fp8."""
+    return cache.dtype in FP8_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in the cache dtype; fp8 saturates at its largest finite value instead of
+    turning out-of-range values into NaN."""
+    if dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(dtype)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      has_padding: bool = True) -> None:
-    """Writes key/value [num_tokens, kv_heads, head_dim] into their slots; slot -1 is skipped."""
-    if has_padding:
-        keep = slot_mapping >= 0
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Writes key/value [num_tokens, kv_heads, head_dim] into their slots; slot -1 is skipped.
+    An fp8 cache stores value / scale."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    _write_rows(k_cache, slot_mapping, quantize_kv(key, k_scale, k_cache.dtype))
+    _write_rows(v_cache, slot_mapping, quantize_kv(value, v_scale, v_cache.dtype))
+
+
+def _write_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    num_kv_heads, head_dim = cache.shape[-2:]
+    flat = cache.view(-1, num_kv_heads, head_dim)
+    if is_fp8(cache):  # torch has no CPU index_copy_ for fp8: copy the bytes
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
 
 
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention for a mixed batch: query [num_tokens, heads, head_dim] -> same shape."""
+                      meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                      v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention for a mixed batch: query [num_tokens, heads, head_dim] -> same shape, written
+    into `out` when given. An fp8 cache is read back as stored x scale."""
     plan = meta._torch_plan or _build_plan(meta, k_cache.device)
     meta._torch_plan = plan
-    if not plan.prefills:  # pure decode batch: rows are already in order
+    if not is_fp8(k_cache):
+        return _attend(query, k_cache, v_cache, plan, scale, out)
+    # softmax(s * q.(k_scale * k)) (v_scale * v) = v_scale * softmax(s * k_scale * q.k) v:
+    # the scales fold into the softmax scale and the output; gathered blocks are upcast.
+    result = _attend(query, k_cache, v_cache, plan, scale * k_scale, out)
+    return result.mul_(v_scale) if v_scale != 1.0 else result
+
+
+def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            plan: _TorchPlan, scale: float, out: torch.Tensor | None) -> torch.Tensor:
+    if not plan.prefills and out is None:  # pure decode batch: rows are already in order
         return _decode(query, k_cache, v_cache, plan, scale)
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if plan.decode_rows.numel():
         out[plan.decode_rows] = _decode(query[plan.decode_rows], k_cache, v_cache, plan, scale)
     for start, end, slots, mask in plan.prefills:
@@ -166,14 +209,16 @@ class TorchAttentionBackend:
     """The CPU path: plain torch ops over the paged cache."""
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                          v_cache: torch.Tensor, meta: AttentionMetadata,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Writes this step's K/V into the cache."""
-        reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping, meta.has_padding)
+        reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
 
     def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
         """Attention over the cache for the mixed batch."""
-        return unified_attention(query, k_cache, v_cache, meta, scale)
+        return unified_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
