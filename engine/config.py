@@ -18,7 +18,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                  "fp16": "float16"}
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The torch element type of each fp8 --kv-cache-dtype; `fp8` is vLLM's alias for e4m3 (the
+# finer mantissa; e5m2 trades it for range, which scale-1.0 K/V values rarely need).
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                       "fp8_e5m2": torch.float8_e5m2}
 # CPU KV budget when neither --kv-cache-memory-bytes nor a GPU is there: 4 GiB, small enough to
 # leave room for weights, activations and the OS on a 16-24 GiB machine.
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
@@ -127,6 +131,8 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # CUDA: no decode graphs
+    load_format: str = "auto"  # "dummy": random weights, for benchmarks of a shape only
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -165,6 +171,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got "
                              f"{self.attention_backend!r}")

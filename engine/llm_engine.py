@@ -38,9 +38,6 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
-        if args.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype!r} is not supported by this "
-                             "build yet (fp8 KV arrives with the kernels work); use auto")
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
@@ -65,12 +62,14 @@ class LLMEngine:
 
     def _init_kv_cache(self) -> int:
         peak = self.runner.profile_peak_activation_bytes(self.max_num_batched_tokens)
+        peak += self.runner.profile_cuda_graph_bytes(self.args.max_num_seqs)
         plan = plan_kv_cache(self.model_config, self.args, self.device, self.dtype,
                              self.runner.weight_bytes(), peak, self.max_model_len)
         for line in capacity_log_lines(plan, self.device, self.max_model_len):
             logger.info(line)
         check_max_model_len_fits(plan, self.max_model_len, self.device)
         self.runner.allocate_kv_cache(plan.num_blocks)
+        self.runner.init_cuda_graphs(self.args.max_num_seqs)
         self.kv_cache_plan = plan
         return plan.num_blocks
 

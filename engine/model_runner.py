@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineArgs, ModelConfig
+from engine.config import FP8_KV_CACHE_DTYPES, EngineArgs, ModelConfig
+from engine.cuda_graphs import DecodeBatch, DecodeGraphRunner, capture_sizes
 from engine.loader import ModelSource, iter_weights
 from engine.models import build_model
 from engine.models.cpu_linear import pack_linears
@@ -49,6 +50,8 @@ class ModelRunner:
         self.model = self._load_model(source, max_model_len)
         self.sampler = Sampler(device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graph_runner: DecodeGraphRunner | None = None
+        self.max_model_len = max_model_len
 
     def _load_model(self, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
         with torch.device("meta"):
@@ -56,7 +59,10 @@ class ModelRunner:
         model = model.to(dtype=self.dtype).to_empty(device=self.device)
         if self.config.tie_word_embeddings:  # to_empty unties shared parameters
             model.lm_head.weight = model.embed_tokens.weight
-        model.load_weights(iter_weights(source, self.dtype))
+        if self.args.load_format == "dummy":
+            _init_dummy_weights(model)
+        else:
+            model.load_weights(iter_weights(source, self.dtype))
         self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self.device.type == "cpu":
             pack_linears(model)
@@ -67,8 +73,39 @@ class ModelRunner:
         return self._weight_bytes
 
     def kv_cache_dtype(self) -> torch.dtype:
-        """Element type of the KV tensors."""
-        return self.dtype
+        """Element type of the KV tensors: the model dtype for `auto`, else the fp8 type."""
+        return FP8_KV_CACHE_DTYPES.get(self.args.kv_cache_dtype, self.dtype)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode graphs need CUDA, a backend without host syncs (Triton) and no
+        --enforce-eager."""
+        return (self.device.type == "cuda" and not self.args.enforce_eager
+                and bool(getattr(self.backend, "supports_cuda_graphs", False)))
+
+    def _graph_runner(self, sizes: list[int]) -> DecodeGraphRunner:
+        return DecodeGraphRunner(self.model, sizes, self.max_model_len, self.block_size,
+                                 self.config.sliding_window, self.device, use_graphs=True)
+
+    def profile_cuda_graph_bytes(self, max_num_seqs: int) -> int:
+        """Memory the decode graphs will hold, measured by capturing the largest one against a
+        one-block cache, so the KV budget can leave room for it; 0 without graphs."""
+        if not self.uses_cuda_graphs:
+            return 0
+        self.allocate_kv_cache(1)
+        probe = self._graph_runner([capture_sizes(max_num_seqs)[-1]])
+        probe.capture(self.kv_caches)
+        graph_bytes = probe.graph_bytes
+        del probe
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return graph_bytes
+
+    def init_cuda_graphs(self, max_num_seqs: int) -> None:
+        """Captures the decode graphs; call after the KV cache is allocated."""
+        if self.uses_cuda_graphs:
+            self.graph_runner = self._graph_runner(capture_sizes(max_num_seqs))
+            self.graph_runner.capture(self.kv_caches)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One K and one V tensor per layer: [num_blocks, block_size, kv_heads, head_dim]."""
@@ -104,18 +141,39 @@ class ModelRunner:
         self.sampler.forget(batch.finished_request_ids)
         if not batch.requests:
             return StepResult()
-        inputs = self._prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sampling_rows:
-            return StepResult()
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        tokens, logprobs = self.sampler.sample(logits, inputs.sampling_rows)
+        decode = self._decode_batch(batch)
+        if decode is not None:  # one graph replay instead of hundreds of launches
+            assert self.graph_runner is not None
+            hidden = self.graph_runner.run(decode, self.kv_caches)
+            rows = list(batch.requests)
+        else:
+            inputs = self._prepare(batch)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if not inputs.sampling_rows:
+                return StepResult()
+            hidden, rows = hidden[inputs.logits_indices], inputs.sampling_rows
+        logits = self.model.compute_logits(hidden)
+        tokens, logprobs = self.sampler.sample(logits, rows)
         result = StepResult()
-        for row, token, lp in zip(inputs.sampling_rows, tokens, logprobs, strict=True):
+        for row, token, lp in zip(rows, tokens, logprobs, strict=True):
             result.sampled[row.request_id] = token
             if lp is not None:
                 result.logprobs[row.request_id] = lp
         return result
+
+    def _decode_batch(self, batch: SchedulerOutput) -> DecodeBatch | None:
+        """The batch as graph-runner input when it is all decodes and fits; else None."""
+        runner = self.graph_runner
+        if runner is None or not all(len(r.token_ids) == 1 and r.sample for r in batch.requests):
+            return None
+        bs = self.block_size
+        decode = DecodeBatch(
+            token_ids=[r.token_ids[0] for r in batch.requests],
+            positions=[r.start_pos for r in batch.requests],
+            slots=[r.block_ids[r.start_pos // bs] * bs + r.start_pos % bs
+                   for r in batch.requests],
+            block_tables=[list(r.block_ids) for r in batch.requests])
+        return decode if runner.can_run(decode) else None
 
     def _prepare(self, batch: SchedulerOutput) -> _BatchInputs:
         token_ids: list[int] = []
@@ -164,3 +222,16 @@ class ModelRunner:
             sliding_window=self.config.sliding_window,
         )
 
+
+@torch.no_grad()
+def _init_dummy_weights(model: torch.nn.Module) -> None:
+    """vLLM's `load_format=dummy`: small seeded random weights (norms at 1), drawn on the
+    weights' own device, for measuring a model shape without its checkpoint."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+            continue
+        gen = generators.setdefault(param.device,
+                                    torch.Generator(device=param.device).manual_seed(0))
+        param.normal_(0.0, 0.02, generator=gen)

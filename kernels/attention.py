@@ -222,7 +222,17 @@ class TorchAttentionBackend:
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` is Triton on CUDA and torch on CPU (Triton arrives with the kernels work)."""
-    if name in ("auto", "torch"):
+    """`auto` is Triton on CUDA (torch there too if triton is missing) and torch elsewhere;
+    `triton` and `torch` force one. Triton is imported only when chosen, so CPU installs
+    without it work."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
-    raise ValueError(f"attention backend {name!r} is not available in this build; use torch")
+    if name not in ("auto", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, triton or torch")
+    try:
+        from kernels.triton_attention import TritonAttentionBackend
+    except ImportError as exc:
+        if name == "auto":
+            return TorchAttentionBackend()
+        raise ValueError(f"attention backend 'triton' needs the triton package: {exc}") from exc
+    return TritonAttentionBackend(device)

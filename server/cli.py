@@ -38,8 +38,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse KV blocks of shared prefixes (default: on)")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto (the model dtype; fp8 arrives with the kernels work)")
+                        help="KV cache element type: auto (the model dtype), fp8_e4m3 (alias "
+                             "fp8) or fp8_e5m2; fp8 stores 1 byte per element (default: auto)")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="attention kernels: auto = triton on CUDA, torch on CPU "
+                             "(default: auto)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: run decode steps eagerly instead of replaying captured "
+                             "CUDA graphs (default: graphs on with the Triton backend)")
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice, usually the cores)")
 
@@ -48,7 +55,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, object]:
     """EngineArgs keyword arguments from parsed flags."""
     names = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "gpu_memory_utilization", "kv_cache_memory_bytes", "enable_prefix_caching",
-             "kv_cache_dtype", "seed", "num_threads")
+             "kv_cache_dtype", "seed", "num_threads", "enforce_eager",
+             "attention_backend")
     return {name: getattr(ns, name) for name in names}
 
 

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from gguf import GGUFReader
 
 from engine.gguf_loader import default_model_path
@@ -55,3 +56,15 @@ def gguf_reader(model_path: Path) -> GGUFReader:
     Session-scoped so test_gguf.py and test_gguf_format.py share one ~4 s parse.
     """
     return GGUFReader(model_path)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """`--kernel-device cuda` runs the kernel tests compiled on a GPU (kernels/gpu_check.py)."""
+    parser.addoption("--kernel-device", default="cpu", choices=["cpu", "cuda"],
+                     help="device for the Triton kernel tests (cpu = Triton's interpreter)")
+
+
+@pytest.fixture(scope="session")
+def kernel_device(request: pytest.FixtureRequest) -> torch.device:
+    """Where the Triton kernel tests run."""
+    return torch.device(str(request.config.getoption("--kernel-device")))

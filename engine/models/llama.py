@@ -47,6 +47,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        # Dequantization scales of an fp8 KV cache (stored = value / scale). 1.0 is vLLM's
+        # default without calibration: SmolLM2's K/V stay within |18|, far inside e4m3's 448.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -59,8 +63,9 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        self.backend.reshape_and_cache(k, v, k_cache, v_cache, meta)
-        out = self.backend.attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        self.backend.reshape_and_cache(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
+        out = self.backend.attention(q, k_cache, v_cache, meta, self.scale,
+                                     self.k_scale, self.v_scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
