@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 120.0
@@ -79,3 +80,15 @@ def kvserve(model: Path | str, *flags: str, log_dir: Path) -> Iterator[ServerPro
         yield server
     finally:
         server.stop()
+
+
+def assert_error_body(body: Any, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: exactly message, type, param and code under "error"."""
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not None:
+        assert error["param"] == param
+    return dict(error)

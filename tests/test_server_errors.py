@@ -1,6 +1,6 @@
 """Every failure the HTTP server reports is an OpenAI error body with the right status, and the
 server keeps serving afterwards: bad input (400), auth (401), unknown model or route (404),
-oversized bodies (413), a full queue (503 + Retry-After) and real faults (500). Also the small
+oversized bodies (413), a full queue (503 + Retry-After) and real faults (500, in test_server_faults.py). Also the small
 utility routes: /health, /version, /v1/models, /tokenize and /detokenize."""
 
 from __future__ import annotations
@@ -10,21 +10,15 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineArgs
-from server.app import create_app
-from server.config import ServerConfig
-from server.state import ENGINE
-from server_process import ServerProcess, kvserve
+from server_process import ServerProcess, assert_error_body, kvserve
 
 MAX_BODY_BYTES = 65536
 API_KEY = "test-secret-key"
@@ -79,18 +73,6 @@ def http(server: ServerProcess, method: str, path: str, body: Any = None,
             return Reply(resp.status, resp.headers, resp.read())
     except urllib.error.HTTPError as err:
         return Reply(err.code, err.headers, err.read())
-
-
-def assert_error_body(body: Any, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: exactly message, type, param and code under "error"."""
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    if param is not None:
-        assert error["param"] == param
-    return dict(error)
 
 
 def assert_error(reply: Reply, status: int, param: str | None = None) -> dict[str, Any]:
@@ -343,96 +325,3 @@ def test_tokenize_detokenize_round_trip(server: ServerProcess, vocab_size: int) 
     assert chat["count"] > tokens["count"]  # the template adds role markers
     assert_error(http(server, "POST", "/detokenize", {"tokens": [vocab_size]}), 400, "tokens")
     assert_error(http(server, "POST", "/tokenize", {}), 400)
-
-
-# ---- 500: a real fault, in-process ------------------------------------------------------------
-
-def _in_process(tiny_llama_dir: Path,
-                body: Callable[[TestClient[Any, Any], AsyncEngine], Any]) -> None:
-    args = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 * 2**20)
-    app = create_app(ServerConfig(), engine_factory=lambda: AsyncEngine.from_args(args))
-
-    async def main() -> None:
-        async with TestClient(TestServer(app)) as client:
-            await body(client, app[ENGINE])
-
-    asyncio.run(main())
-
-
-def _fail_next_steps(engine: AsyncEngine, count: int) -> list[int]:
-    """Makes the next `count` model steps raise; returns a one-item list of steps failed."""
-    runner = engine.engine.runner
-    execute = runner.execute
-    failed = [0]
-
-    def flaky(batch: Any) -> Any:
-        if failed[0] < count:
-            failed[0] += 1
-            raise RuntimeError("injected fault in the model step")
-        return execute(batch)
-
-    runner.execute = flaky  # type: ignore[method-assign]
-    return failed
-
-
-async def _normal_request(client: TestClient[Any, Any]) -> None:
-    resp = await client.post("/v1/completions",
-                             json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
-    assert resp.status == 200
-    assert (await resp.json())["usage"]["completion_tokens"] == 3
-
-
-def test_a_failed_step_is_500_and_the_server_keeps_serving(tiny_llama_dir: Path) -> None:
-    async def body(client: TestClient[Any, Any], engine: AsyncEngine) -> None:
-        await _normal_request(client)
-        failed = _fail_next_steps(engine, 1)
-        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3})
-        assert resp.status == 500
-        error = assert_error_body(await resp.json())
-        assert error["type"] == "server_error"
-        assert failed == [1]
-        await _normal_request(client)
-
-        failed = _fail_next_steps(engine, 1)
-        for path, request in (("/v1/completions", {"prompt": PROMPT}),
-                              ("/v1/chat/completions",
-                               {"messages": [{"role": "user", "content": PROMPT}]})):
-            failed[0] = 0
-            resp = await client.post(path, json={**request, "max_tokens": 3, "stream": True})
-            assert resp.status == 200  # the headers went out before the step failed
-            raw = (await resp.read()).decode()
-            events = [e for e in raw.split("\n\n") if e]
-            assert events[-1] == "data: [DONE]"
-            assert_error_body(json.loads(events[-2][len("data: "):]))
-            assert failed == [1]
-        await _normal_request(client)
-        assert not engine.is_dead and engine.num_unfinished == 0
-        assert engine.engine.kv.usage() == 0.0
-
-    _in_process(tiny_llama_dir, body)
-
-
-def test_a_handler_bug_is_500_and_the_server_keeps_serving(
-        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from server.responses import ResponseBuilder
-
-    final_body = ResponseBuilder.final_body
-    calls = [0]
-
-    def broken_once(self: ResponseBuilder) -> dict[str, Any]:
-        calls[0] += 1
-        if calls[0] == 1:
-            raise KeyError("injected bug")
-        return final_body(self)
-
-    monkeypatch.setattr(ResponseBuilder, "final_body", broken_once)
-
-    async def body(client: TestClient[Any, Any], engine: AsyncEngine) -> None:
-        resp = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-        assert resp.status == 500
-        error = assert_error_body(await resp.json())
-        assert error["type"] == "server_error"
-        await _normal_request(client)
-        assert engine.num_unfinished == 0
-
-    _in_process(tiny_llama_dir, body)
