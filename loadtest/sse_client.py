@@ -16,11 +16,19 @@ import itertools
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
+
+from loadtest.records import (
+    ChunkTimer,
+    RequestRecord,
+    error_text,
+    fail,
+    http_error_kind,
+)
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 DONE = "[DONE]"
@@ -33,23 +41,6 @@ class StreamRequest:
 
     kind: str
     payload: dict[str, Any]
-
-
-@dataclass
-class RequestRecord:
-    """What one streamed request did; times are seconds from sending it."""
-
-    ok: bool = False
-    status: int | None = None
-    error: str = ""
-    ttft_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    e2e_s: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int | None = None
-    usage_reported: bool = False
-    finish_reason: str | None = None
-    text: str = ""
 
 
 # ---- SSE framing --------------------------------------------------------------------------
@@ -86,55 +77,7 @@ class SSEParser:
         return data
 
 
-def chunk_content(chunk: dict[str, Any]) -> tuple[str, str | None]:
-    """(text delta, finish_reason) of a chat or text-completion chunk; ("", None) for a
-    usage-only chunk with no choices."""
-    choices = chunk.get("choices") or []
-    if not choices:
-        return "", None
-    choice = choices[0]
-    delta = choice.get("delta")
-    text = (delta.get("content") if isinstance(delta, dict) else choice.get("text")) or ""
-    return text, choice.get("finish_reason")
-
-
-def error_text(error: Any) -> str:
-    """A one-line message from an OpenAI-style `error` value (a dict or a plain string)."""
-    if isinstance(error, dict):
-        return str(error.get("message") or error)
-    return str(error)
-
-
 # ---- one request --------------------------------------------------------------------------
-
-
-class _Timer:
-    """Collects content-chunk arrival times into a record as they come."""
-
-    def __init__(self, record: RequestRecord) -> None:
-        self.record = record
-        self.start = time.perf_counter()
-        self.last: float | None = None
-        self.chunks = 0
-        self.parts: list[str] = []
-
-    def content(self, text: str) -> None:
-        now = time.perf_counter()
-        if self.last is None:
-            self.record.ttft_s = now - self.start
-        else:
-            self.record.itl_s.append(now - self.last)
-        self.last = now
-        self.chunks += 1
-        self.parts.append(text)
-
-    def finish(self) -> RequestRecord:
-        rec = self.record
-        rec.e2e_s = time.perf_counter() - self.start
-        rec.text = "".join(self.parts)
-        if not rec.usage_reported:
-            rec.output_tokens = self.chunks  # one token a chunk is the best guess without usage
-        return rec
 
 
 def build_body(req: StreamRequest, include_usage: bool) -> dict[str, Any]:
@@ -146,27 +89,39 @@ def build_body(req: StreamRequest, include_usage: bool) -> dict[str, Any]:
     return body
 
 
+def request_headers(api_key: str | None) -> dict[str, str]:
+    """JSON content type, plus a bearer token when an API key is given."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
 async def stream_request(session: aiohttp.ClientSession, base_url: str, req: StreamRequest,
-                         include_usage: bool = True, timeout_s: float = 600.0) -> RequestRecord:
+                         include_usage: bool = True, timeout_s: float = 600.0,
+                         api_key: str | None = None) -> RequestRecord:
     """Sends one streaming request and times it; never raises for server-side failures."""
     record = RequestRecord()
-    timer = _Timer(record)
+    timer = ChunkTimer(record)
     url = base_url.rstrip("/") + ENDPOINTS[req.kind]
     try:
         async with session.post(url, data=orjson.dumps(build_body(req, include_usage)),
-                                headers={"Content-Type": "application/json"},
+                                headers=request_headers(api_key),
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             record.status = resp.status
             if resp.status != 200:
-                record.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                body = (await resp.text())[:2000]
+                fail(record, http_error_kind(resp.status, body), f"HTTP {resp.status}: {body}")
                 return timer.finish()
             await _read_stream(resp, timer)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        record.ok, record.error = False, f"{type(exc).__name__}: {exc}"
+    except asyncio.TimeoutError:
+        fail(record, "timeout", f"no complete response within {timeout_s:g} s")
+    except (aiohttp.ClientError, ValueError) as exc:
+        fail(record, "connection_error", f"{type(exc).__name__}: {exc}")
     return timer.finish()
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, timer: _Timer) -> None:
+async def _read_stream(resp: aiohttp.ClientResponse, timer: ChunkTimer) -> None:
     """Reads SSE events until [DONE], an error event, or the end of the body. A stream that
     ends without [DONE] still counts as ok (some servers never send it) when it produced
     a finish_reason."""
@@ -180,10 +135,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, timer: _Timer) -> None:
         return
     record.ok = record.finish_reason is not None
     if not record.ok:
-        record.error = "stream ended without [DONE] or a finish_reason"
+        fail(record, "incomplete_stream", "stream ended without [DONE] or a finish_reason")
 
 
-def _handle_event(data: str, timer: _Timer) -> bool:
+def _handle_event(data: str, timer: ChunkTimer) -> bool:
     """Applies one event to the record; True when the stream is over (done or failed)."""
     record = timer.record
     if data.strip() == DONE:
@@ -192,24 +147,15 @@ def _handle_event(data: str, timer: _Timer) -> bool:
     try:
         chunk = orjson.loads(data)
     except orjson.JSONDecodeError:
-        record.error = f"bad SSE data: {data[:200]!r}"
+        fail(record, "bad_stream", f"bad SSE data: {data[:200]!r}")
         return True
     if not isinstance(chunk, dict):
-        record.error = f"unexpected SSE data: {data[:200]!r}"
+        fail(record, "bad_stream", f"unexpected SSE data: {data[:200]!r}")
         return True
     if "error" in chunk:
-        record.error = "in-stream error: " + error_text(chunk["error"])
+        fail(record, "stream_error", "in-stream error: " + error_text(chunk["error"]))
         return True
-    text, finish = chunk_content(chunk)
-    if text:
-        timer.content(text)
-    if finish is not None:
-        record.finish_reason = finish
-    usage = chunk.get("usage")
-    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-        record.usage_reported = True
-        record.output_tokens = int(usage["completion_tokens"])
-        record.prompt_tokens = usage.get("prompt_tokens")
+    timer.apply_chunk(chunk)
     return False
 
 
