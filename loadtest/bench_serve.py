@@ -35,7 +35,10 @@ from loadtest.bench_machine import (
 )
 from loadtest.bench_offline import spread_lengths
 from loadtest.bench_serve_report import ceiling_tok_s, render, verdicts
+from loadtest.datasets import Prompt
 from loadtest.hf_export import DEFAULT_EXPORT_DIR, export_smollm2
+from loadtest.results import build_result, write_result
+from loadtest.runner import LoadConfig, LoadRun, run_load
 from loadtest.serve_process import (
     ROOT,
     RunningServer,
@@ -48,7 +51,8 @@ from loadtest.serve_process import (
     stop_server,
     wait_ready,
 )
-from loadtest.sse_client import StreamRequest, run_fixed_concurrency, summarize
+from loadtest.sse_client import StreamRequest, run_fixed_concurrency
+from loadtest.stats import summarize
 
 RESULTS = ROOT / "results"
 
@@ -100,9 +104,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setup-peer", action="store_true",
                    help="create .venv-bench with transformers[serving] and exit")
     p.add_argument("--only", choices=["kvserve", "peer"])
-    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--concurrency", type=int, nargs="*", default=[16, 64])
+    p.add_argument("--request-rates", type=float, nargs="*", default=[],
+                   help="also run Poisson arrivals at these rates (requests/s)")
     p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per concurrency level (default: 2 x concurrency)")
+                   help="requests per level (default: 2 x concurrency; 64 for a rate)")
     p.add_argument("--peer-num-requests", type=int, default=None,
                    help="requests per level for transformers (default: as --num-requests)")
     p.add_argument("--min-input", type=int, default=32, help="fewest user-message tokens")
@@ -133,8 +139,8 @@ def server_specs(ns: argparse.Namespace) -> list[ServerSpec]:
     """The servers to run, kvserve first."""
     specs = []
     if ns.only in (None, "kvserve"):
-        specs.append(kvserve_spec(ns.model, ns.server_threads, max(ns.concurrency), RESULTS,
-                                  shlex.split(ns.kvserve_args)))
+        specs.append(kvserve_spec(ns.model, ns.server_threads, max([*ns.concurrency, 64]),
+                                  RESULTS, shlex.split(ns.kvserve_args)))
     if ns.only in (None, "peer"):
         specs.append(peer_spec(ns.model, ns.server_threads, RESULTS, shlex.split(ns.peer_args)))
     if not ns.ignore_eos:
@@ -143,30 +149,71 @@ def server_specs(ns: argparse.Namespace) -> list[ServerSpec]:
     return specs
 
 
-def requests_for(ns: argparse.Namespace, spec: ServerSpec, concurrency: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One measured load: a fixed concurrency (all sent at once, C in flight) or a Poisson
+    request rate (no cap)."""
+
+    concurrency: int | None = None
+    rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency}" if self.rate is None else f"rate={self.rate:g}/s"
+
+
+def levels(ns: argparse.Namespace) -> list[Level]:
+    return ([Level(concurrency=c) for c in ns.concurrency]
+            + [Level(rate=r) for r in ns.request_rates])
+
+
+def requests_for(ns: argparse.Namespace, spec: ServerSpec, level: Level) -> int:
     """How many requests one level sends to one server."""
-    default = ns.num_requests or 2 * concurrency
+    default = ns.num_requests or (2 * level.concurrency if level.concurrency else 64)
     return (ns.peer_num_requests or default) if spec.name != "kvserve" else default
 
 
+def load_config(ns: argparse.Namespace, server: RunningServer, level: Level) -> LoadConfig:
+    return LoadConfig(url=server.spec.base_url, max_concurrency=level.concurrency,
+                      request_rate=level.rate or float("inf"), seed=ns.seed,
+                      duration_s=ns.time_limit, request_timeout_s=ns.request_timeout,
+                      progress=False)
+
+
+def level_summary(run: LoadRun, level: Level) -> dict[str, Any]:
+    """The harness's summary plus the flat keys of the report's table."""
+    s = summarize(run.records, run.duration_s, run.not_sent, None, run.server_summary)
+    return {**s, "level": level.label, "concurrency": level.concurrency,
+            "request_rate": level.rate, "requests": len(run.records),
+            "ok": s["successful_requests"], "failed": s["failed_requests"],
+            "not_started": run.not_sent, "output_tokens": s["total_output_tokens"],
+            "wall_s": run.duration_s, "output_tok_s": s["output_throughput"],
+            "ttft_p50_ms": s["ttft_ms"]["median"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+            "itl_p50_ms": s["itl_ms"]["median"], "itl_p99_ms": s["itl_ms"]["p99"],
+            "e2e_p50_ms": s["e2el_ms"]["median"],
+            "errors": list(s["failure_examples"].values())[:5]}
+
+
 def measure_level(ns: argparse.Namespace, server: RunningServer, model_id: str,
-                  chats: Sequence[list[dict[str, str]]], concurrency: int) -> dict[str, Any]:
-    """One fixed-concurrency run with the CPU used meanwhile by the server, this client and
-    everything else."""
+                  chats: Sequence[list[dict[str, str]]], level: Level) -> dict[str, Any]:
+    """One level through the load harness, with the CPU used meanwhile by the server, this
+    client and everything else; the harness's result file goes to results/."""
     requests = make_requests(chats, model_id, ns.max_tokens, server.spec.extra_body)
+    prompts = [Prompt(0, ns.max_tokens, messages=chat) for chat in chats]
     before, server_before = cpu_seconds(), process_tree_cpu_seconds(server.proc.pid)
-    result = asyncio.run(run_fixed_concurrency(
-        server.spec.base_url, requests, concurrency, ns.time_limit,
-        request_timeout_s=ns.request_timeout))
+    run = asyncio.run(run_load(load_config(ns, server, level), prompts, requests))
     after, server_after = cpu_seconds(), process_tree_cpu_seconds(server.proc.pid)
-    summary = summarize(result)
+    summary = level_summary(run, level)
     summary["server_alive"] = server.proc.poll() is None
-    summary["prompt_tokens_mean"] = _mean([r.prompt_tokens for r in result.records
-                                           if r.prompt_tokens is not None])
-    summary.update(_cpu_split(before, after, server_before, server_after, result.wall_s))
-    # Every request's timings, for looking into stalls behind a percentile.
-    (RESULTS / f"bench_serve_{server.spec.name}_c{concurrency}_records.json").write_bytes(
-        orjson.dumps([dataclasses.asdict(r) for r in result.records]))
+    summary["prompt_tokens_mean"] = _mean([r.prompt_tokens for r in run.records
+                                           if r.usage_reported and r.prompt_tokens])
+    summary.update(_cpu_split(before, after, server_before, server_after, run.duration_s))
+    label = f"{server.spec.name} {level.label}"
+    path = RESULTS / f"bench_serve_{server.spec.name}_{level.label.replace('/', '')}.json"
+    config = {"url": server.spec.base_url, "transport": "sse", "endpoint": "chat",
+              "model": model_id, "dataset": "chat", "num_prompts": len(prompts),
+              "request_rate": level.rate or float("inf"), "max_concurrency": level.concurrency}
+    summary["result_json"] = str(write_result(build_result(label, config, run, summary), path))
     return summary
 
 
@@ -192,7 +239,7 @@ def run_server(ns: argparse.Namespace, spec: ServerSpec, tokenizer: Any) -> dict
     waited = wait_for_quiet(ns.wait_quiet) if ns.wait_quiet > 0 else 0.0
     print(f"[{spec.name}] {spec.command_line()}", flush=True)
     server = start_server(spec)
-    levels: list[dict[str, Any]] = []
+    measured: list[dict[str, Any]] = []
     try:
         model_id = wait_ready(server, ns.ready_timeout)
         warm = build_messages(ns.warmup, ns.min_input, ns.max_input, ns.seed + 999, tokenizer)
@@ -201,17 +248,17 @@ def run_server(ns: argparse.Namespace, spec: ServerSpec, tokenizer: Any) -> dict
         for record in warmed.records:
             if not record.ok:  # the same failure would repeat in every level; show it early
                 print(f"[{spec.name}] warm-up request failed: {record.error}", flush=True)
-        for c in ns.concurrency:
-            chats = build_messages(requests_for(ns, spec, c), ns.min_input, ns.max_input,
-                                   ns.seed + c, tokenizer)
-            levels.append(measure_level(ns, server, model_id, chats, c))
-            print(f"[{spec.name}] c={c}: {_short(levels[-1])}", flush=True)
-            if not levels[-1]["server_alive"]:
+        for i, level in enumerate(levels(ns)):
+            chats = build_messages(requests_for(ns, spec, level), ns.min_input, ns.max_input,
+                                   ns.seed + 1 + i, tokenizer)
+            measured.append(measure_level(ns, server, model_id, chats, level))
+            print(f"[{spec.name}] {level.label}: {_short(measured[-1])}", flush=True)
+            if not measured[-1]["server_alive"]:
                 break
     finally:
         code = stop_server(server)
     return {"name": spec.name, "command": spec.command_line(), "log": str(spec.log_path),
-            "model_id": model_id, "levels": levels, "exit_code": code,
+            "model_id": model_id, "levels": measured, "exit_code": code,
             "waited_for_quiet_s": waited}
 
 
@@ -252,13 +299,8 @@ def compute_ceiling(ns: argparse.Namespace, model: Path, servers: Sequence[dict[
             "output_tokens": ns.max_tokens, "params": mc.num_params()}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ns = parse_args(argv)
-    if ns.setup_peer:
-        setup_peer_venv()
-        return
+def measure(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    """Runs every server through every level; the report the tables are drawn from."""
     from transformers import AutoTokenizer
 
     model = export_smollm2(ns.model.expanduser())
@@ -276,6 +318,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     report: dict[str, Any] = {"config": config, "env": environment(ns, argv), "servers": servers}
     report["ceiling"] = compute_ceiling(ns, model, servers)
     report["verdicts"] = verdicts(report)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = parse_args(argv)
+    if ns.setup_peer:
+        setup_peer_venv()
+        return
+    report = measure(ns, argv)
     text = render(report)
     print(text)
     suffix = "" if ns.only is None else f"_{ns.only}"

@@ -31,14 +31,14 @@ PEER_NOTES = [
 
 
 def level_rows(report: dict[str, Any]) -> list[tuple[Any, ...]]:
-    """One table row per (server, concurrency)."""
+    """One table row per (server, load level)."""
     rows: list[tuple[Any, ...]] = []
     for server in report["servers"]:
         if not server["levels"]:
             rows.append((server["name"], "-", "FAILED", None, None, None, None, None, None,
                          None, None))
         for lv in server["levels"]:
-            rows.append((server["name"], lv["concurrency"],
+            rows.append((server["name"], lv["level"],
                          f"{lv['ok']}/{lv['failed']}" + (f" (+{lv['not_started']} not run)"
                                                          if lv["not_started"] else ""),
                          lv["output_tok_s"], lv["ttft_p50_ms"], lv["ttft_p99_ms"],
@@ -49,41 +49,41 @@ def level_rows(report: dict[str, Any]) -> list[tuple[Any, ...]]:
 
 def results_table(report: dict[str, Any]) -> str:
     """The main table."""
-    return format_table(("server", "concurrency", "ok/failed", "output tok/s", "TTFT p50 (ms)",
+    return format_table(("server", "load", "ok/failed", "output tok/s", "TTFT p50 (ms)",
                          "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "E2E p50 (ms)",
                          "server CPU (cores)", "others' CPU (cores)"), level_rows(report))
 
 
-def _levels(report: dict[str, Any], name: str) -> dict[int, dict[str, Any]]:
+def _levels(report: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
     for server in report["servers"]:
         if server["name"] == name:
-            return {lv["concurrency"]: lv for lv in server["levels"]}
+            return {lv["level"]: lv for lv in server["levels"]}
     return {}
 
 
 def verdicts(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per concurrency level measured on both servers: the ratios and whether kvserve meets
+    """Per load level measured on both servers: the ratios and whether kvserve meets
     the target (>= 10x output tok/s, lower p99 TTFT, lower p99 ITL)."""
     kv, peer = _levels(report, "kvserve"), _levels(report, PEER_NAME)
     out = []
-    for c in sorted(set(kv) & set(peer)):
+    for c in [level for level in kv if level in peer]:
         a, b = kv[c], peer[c]
         tps = ratio(a["output_tok_s"], b["output_tok_s"])
         ttft = ratio(a["ttft_p99_ms"], b["ttft_p99_ms"])
         itl = ratio(a["itl_p99_ms"], b["itl_p99_ms"])
         met = (tps is not None and tps >= THROUGHPUT_TARGET and ttft is not None and ttft < 1
                and itl is not None and itl < 1 and a["failed"] == 0)
-        out.append({"concurrency": c, "tok_s_ratio": tps, "ttft_p99_ratio": ttft,
+        out.append({"level": c, "tok_s_ratio": tps, "ttft_p99_ratio": ttft,
                     "itl_p99_ratio": itl, "kvserve_failed": a["failed"], "met": met})
     return out
 
 
 def verdict_table(report: dict[str, Any]) -> str:
     """kvserve / transformers ratios per level."""
-    rows = [(v["concurrency"], _x(v["tok_s_ratio"]), _x(v["ttft_p99_ratio"]),
+    rows = [(v["level"], _x(v["tok_s_ratio"]), _x(v["ttft_p99_ratio"]),
              _x(v["itl_p99_ratio"]), "met" if v["met"] else "MISSED")
             for v in report["verdicts"]]
-    return format_table(("concurrency", "output tok/s (kvserve / transformers)",
+    return format_table(("load", "output tok/s (kvserve / transformers)",
                          "TTFT p99 (kvserve / transformers)",
                          "ITL p99 (kvserve / transformers)", "target"), rows)
 
@@ -100,10 +100,10 @@ def warnings(report: dict[str, Any]) -> list[str]:
             lines.append(f"WARNING: {server['name']} failed: {server['error'].splitlines()[0]}")
         for lv in server["levels"]:
             if lv["failed"]:
-                lines.append(f"WARNING: {server['name']} c={lv['concurrency']}: {lv['failed']} "
+                lines.append(f"WARNING: {server['name']} {lv['level']}: {lv['failed']} "
                              f"failed requests, e.g. {lv['errors'][:2]}")
             if (lv["other_cores"] or 0.0) > QUIET_CORES:
-                lines.append(f"WARNING: {server['name']} c={lv['concurrency']}: other processes "
+                lines.append(f"WARNING: {server['name']} {lv['level']}: other processes "
                              f"kept {lv['other_cores']:.2f} cores busy; its timings understate it")
     return lines
 
@@ -147,7 +147,7 @@ def render(report: dict[str, Any]) -> str:
         f"(seeded, {cfg['seed']}) plus the chat template's system prompt, "
         f"{cfg['max_tokens']} output tokens each, temperature 0, "
         f"EOS {'ignored' if cfg['ignore_eos'] else 'honoured'}; requests per level: "
-        f"{cfg['num_requests'] or '2 x concurrency'} (transformers: "
+        f"{cfg['num_requests'] or '2 x concurrency, 64 at a Poisson rate'} (transformers: "
         f"{cfg['peer_num_requests'] or 'the same'}); {cfg['warmup']} warm-up requests first",
         "### Results", results_table(report),
         "TTFT: to the first content chunk. ITL: gaps between later content chunks, pooled "

@@ -1,7 +1,7 @@
 """`python -m loadtest run`: load an OpenAI-compatible server and report what it did.
 
 Example (a Poisson rate of 4 req/s, 200 random prompts, over the WebSocket):
-  python -m loadtest run --url http://127.0.0.1:8000 --transport ws --request-rate 4 \
+  python -m loadtest run --url http://127.0.0.1:8000 --transport ws --request-rate 4
       --num-prompts 200 --input-len 256 --output-len 128 --result-json r.json --plot r.png
 """
 
@@ -190,5 +190,9 @@ def run_main(argv: Sequence[str] | None = None) -> int:
     if ns.plot:
         from loadtest.plots import plot_run
 
-        print(f"plot: {plot_run(result, ns.plot)}")
+        try:
+            print(f"plot: {plot_run(result, ns.plot)}")
+        except RuntimeError as exc:  # matplotlib missing: the result file is still written
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return 0 if summary["successful_requests"] else 1
