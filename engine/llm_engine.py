@@ -165,11 +165,15 @@ class LLMEngine:
             raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
                              f"{num_prompt + max_tokens} exceeds max_model_len ({limit}); lower "
                              "max_tokens or shorten the prompt")
-        needed_blocks = -(-(num_prompt + max_tokens) // self.args.block_size)
+        # Startup makes max_model_len fit the cache, so this holds already; it stays as the
+        # guard against queueing a request that could never be scheduled (it would wait forever).
+        total, block_size = num_prompt + max_tokens, self.args.block_size
+        needed_blocks = -(-total // block_size)
         if needed_blocks > self.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {num_prompt + max_tokens} tokens can never "
-                             f"fit the KV cache ({self.num_blocks * self.args.block_size} tokens)"
-                             "; lower max_tokens or give the cache more memory")
+            raise ValueError(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} "
+                             f"tokens need {needed_blocks} KV blocks, but the whole KV cache holds "
+                             f"{self.num_blocks} blocks ({self.num_blocks * block_size} tokens); "
+                             "lower max_tokens, shorten the prompt or give the cache more memory")
         return max_tokens
 
     def abort_request(self, request_id: str) -> None:

@@ -3,6 +3,7 @@ app's cleanup context."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.metadata
 import time
@@ -17,6 +18,7 @@ from engine.config import EngineArgs
 from server import routes, websocket
 from server.errors import APIError, Handler, error_middleware
 from server.generation import ServedModel
+from server.openapi import openapi_document
 from server.protocol import DetokenizeRequest, TokenizeRequest, chat_messages, decode
 from server.state import CONFIG, ENGINE, MODEL, STATE, ServerConfig, ServerState
 
@@ -41,6 +43,25 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise APIError(401, "Incorrect or missing API key; send `Authorization: Bearer "
                                 "<key>`", code="invalid_api_key")
+    return await handler(request)
+
+
+@web.middleware
+async def body_timeout_middleware(request: web.Request, handler: Handler
+                                  ) -> web.StreamResponse:
+    """Reads a request's whole body within --request-body-timeout seconds, so a client that
+    sends headers and then stalls gets 408 instead of holding a handler forever. The handler's
+    own read() then returns the cached bytes; the size cap (413) applies here already."""
+    if request.body_exists:
+        timeout = request.app[CONFIG].request_body_timeout_s
+        try:
+            await asyncio.wait_for(request.read(), timeout)
+        except asyncio.TimeoutError:
+            error = APIError(408, f"the request body did not arrive within {timeout:g} s "
+                                  "(--request-body-timeout)", code="request_timeout")
+            response = error.response()
+            response.force_close()  # the rest of the body may never come: drop the connection
+            return response
     return await handler(request)
 
 
@@ -115,6 +136,11 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": engine.tokenizer.decode(body.tokens)})
 
 
+async def openapi_json(request: web.Request) -> web.Response:
+    """GET /openapi.json: the request schemas, generated from the protocol Structs."""
+    return web.Response(body=openapi_document(), content_type="application/json")
+
+
 EngineFactory = Callable[[], AsyncEngine]
 
 
@@ -125,7 +151,8 @@ def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
     # vLLM turns off the *_created series; dashboards built for it expect them absent.
     disable_created_metrics()
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[error_middleware, drain_middleware, auth_middleware])
+                          middlewares=[error_middleware, drain_middleware, auth_middleware,
+                                       body_timeout_middleware])
     app[CONFIG] = config
     app[STATE] = ServerState()
     names = config.served_model_names
@@ -143,6 +170,7 @@ def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
     app.router.add_get("/v1/ws", websocket.websocket)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/openapi.json", openapi_json)
     return app
 
 

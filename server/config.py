@@ -7,6 +7,12 @@ import argparse
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
+# aiohttp's parser limits, passed explicitly so they are documented and tested: a longer
+# request line or header line, or more headers, is answered 400 before any handler runs.
+MAX_HEADER_LINE_BYTES = 8190
+MAX_HEADER_FIELD_BYTES = 8190
+MAX_HEADERS = 128
 
 
 @dataclass
@@ -20,6 +26,7 @@ class ServerConfig:
     max_queue_len: int | None = None
     shutdown_timeout: float = 30.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
     ws_heartbeat_s: float = 20.0
     stats_interval_s: float = 10.0
 
@@ -34,6 +41,9 @@ class ServerConfig:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.request_body_timeout_s > 0:
+            raise ValueError("--request-body-timeout must be > 0, got "
+                             f"{self.request_body_timeout_s}")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,10 +61,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds requests in flight may take to finish after SIGTERM")
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                         help="largest request body or WebSocket message")
+    parser.add_argument("--request-body-timeout", type=float,
+                        default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                        help="seconds a request body may take to arrive; slower gets 408")
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
     """ServerConfig from parsed flags."""
     return ServerConfig(host=ns.host, port=ns.port, served_model_names=ns.served_model_name or [],
                         api_key=ns.api_key, max_queue_len=ns.max_queue_len,
-                        shutdown_timeout=ns.shutdown_timeout, max_body_bytes=ns.max_body_bytes)
+                        shutdown_timeout=ns.shutdown_timeout, max_body_bytes=ns.max_body_bytes,
+                        request_body_timeout_s=ns.request_body_timeout)

@@ -25,12 +25,15 @@ _ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }
 _JSON_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_MISSING = re.compile(r"^Object missing required field `([A-Za-z_]+)`$")
 RETRY_AFTER_S = 1
 
 
@@ -63,15 +66,23 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+def invalid_json(exc: msgspec.DecodeError, what: str) -> APIError:
+    """A 400 for JSON that does not parse, naming the field when the parser knows it (NaN)."""
+    match = _JSON_PATH.search(str(exc))
+    return bad_request(f"{what} is not valid JSON: {exc}", match.group(1) if match else None)
+
+
 def from_exception(exc: BaseException) -> APIError:
     """Maps any exception raised while handling a request to the error the client sees."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, msgspec.ValidationError):
-        match = _JSON_PATH.search(str(exc))
+        match = _JSON_PATH.search(str(exc)) or _MISSING.match(str(exc))
         return bad_request(str(exc), match.group(1) if match else None)
     if isinstance(exc, msgspec.DecodeError):
-        return bad_request(f"the request body is not valid JSON: {exc}")
+        return invalid_json(exc, "the request body")
+    if isinstance(exc, RecursionError):  # a safety net: decode() reports deep nesting itself
+        return bad_request("the request is nested too deeply")
     if isinstance(exc, ValueError):
         first_word = str(exc).split(" ", 1)[0]
         return bad_request(str(exc), first_word if first_word in KNOWN_PARAMS else None)
@@ -96,6 +107,8 @@ def _from_http_exception(exc: web.HTTPException) -> APIError:
     if exc.status == 413:
         return APIError(413, f"the request body is too large: {exc.text}",
                         code="request_too_large")
+    if exc.status == 400:  # aiohttp's own, e.g. a body whose bytes do not match its headers
+        return APIError(400, f"bad request: {exc.text or exc.reason}")
     return APIError(exc.status, exc.reason or "HTTP error")
 
 

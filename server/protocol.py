@@ -1,13 +1,16 @@
 """Request bodies as msgspec Structs with bounds as constraints, decoded by module-level
 decoders, and their translation into engine prompts and SamplingParams.
 
-`null` means unset everywhere. Unknown fields are ignored with a warning, as vLLM does.
+`null` means unset everywhere. Unknown fields are ignored with a warning, as vLLM does. Every
+field is bounded (README, "Limits"), so hostile input fails while decoding with a 400 that names
+the field; the bounds are Meta constraints, so they also appear in GET /openapi.json.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+import re
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -16,13 +19,38 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("kvserve.server")
 
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
+# Caps on what one request may ask for (README, "Limits"). vLLM has none of these except
+# max_logprobs; they keep one request from queueing a million sequences or looping over a
+# thousand stop strings per token.
+MAX_INT = 2**31 - 1  # token counts, top_k and token ids: a larger value is never meaningful
+MAX_N = 128  # OpenAI's cap on n
+MAX_CHOICES = 1024  # prompts x n in one completions request
+MAX_STOP = 64  # stop strings (OpenAI allows 4, vLLM has no cap)
+MAX_STOP_LENGTH = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+PositiveInt = Annotated[int, Meta(ge=1, le=MAX_INT)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=MAX_INT)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 # A 64-bit seed, as vLLM accepts; a larger one would fail inside the model step (torch's
 # generator), taking the whole batch down with it.
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+_TOKEN_IDS = {"type": "array", "minItems": 1,
+              "items": {"type": "integer", "minimum": 0, "maximum": MAX_INT}}
+PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    _TOKEN_IDS,
+    {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+]}
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -37,17 +65,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
-    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_INT)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     seed: Seed | None = None
-    n: PositiveInt | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegativeInt] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[NonNegativeInt],
+                              Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
     ignore_eos: bool | None = None
     min_tokens: NonNegativeInt | None = None
     skip_special_tokens: bool | None = None
@@ -70,7 +99,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/completions."""
 
-    prompt: Any = None  # string, list of strings, token ids, or a list of token-id lists
+    # A string, strings, token ids or token-id lists: msgspec cannot express that union (two
+    # array types), so it is checked by completion_prompts and only described in the schema.
+    prompt: Annotated[Any, Meta(extra_json_schema=PROMPT_SCHEMA)] = None
     logprobs: LogprobCount | None = None
     echo: bool | None = None
 
@@ -85,7 +116,7 @@ class TextPart(msgspec.Struct, kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True):
     """One chat message."""
 
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -93,7 +124,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
@@ -105,7 +136,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage],
+                        Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
 
@@ -129,24 +161,77 @@ KNOWN_PARAMS = frozenset().union(*(fields for _, fields in _DECODERS.values()))
 
 
 def decode(kind: type[Any], body: bytes) -> Any:
-    """Decodes and validates a request body; raises msgspec errors that map to 400."""
+    """Decodes and validates a request body; raises msgspec errors or ValueError (all 400)."""
     decoder, fields = _DECODERS[kind]
-    request = decoder.decode(body)
-    unknown = sorted(set(_KEYS.decode(body)) - fields)
-    if unknown:
-        logger.warning("The following fields were present in the request but ignored: %s",
-                       unknown)
+    try:
+        request = decoder.decode(body)
+        keys = _KEYS.decode(body)
+    except msgspec.ValidationError:
+        raise
+    except RecursionError:  # msgspec recurses per nesting level, e.g. 100k `[` in a prompt
+        raise msgspec.DecodeError("JSON is nested too deeply") from None
+    except msgspec.DecodeError as exc:
+        raise msgspec.DecodeError(_explain(exc, body)) from None
+    _warn_unknown(sorted(set(keys) - fields))
+    check_limits(request)
     return request
+
+
+def parse_message(raw: str | bytes) -> Any:
+    """Parses one WebSocket message: JSON of any shape (big integers kept, so the field that
+    holds one is named by convert), with the same errors as decode."""
+    try:
+        return msgspec.json.decode(raw)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON is nested too deeply") from None
+    except msgspec.DecodeError as exc:
+        data = raw.encode(errors="replace") if isinstance(raw, str) else raw
+        raise msgspec.DecodeError(_explain(exc, data)) from None
 
 
 def convert(kind: type[Any], obj: dict[str, Any]) -> Any:
     """Validates an already-parsed object (a WebSocket message) as a request Struct."""
     fields = _DECODERS[kind][1]
-    unknown = sorted(set(obj) - fields - {"type", "id"})
+    _warn_unknown(sorted(set(obj) - fields - {"type", "id"}))
+    request = msgspec.convert({k: v for k, v in obj.items() if k in fields}, kind)
+    check_limits(request)
+    return request
+
+
+def _warn_unknown(unknown: list[str]) -> None:
     if unknown:
         logger.warning("The following fields were present in the request but ignored: %s",
-                       unknown)
-    return msgspec.convert({k: v for k, v in obj.items() if k in fields}, kind)
+                       unknown[:50])
+
+
+_BYTE = re.compile(r"\(byte (\d+)\)")
+_LAST_KEY = re.compile(rb'"([A-Za-z_]+)"\s*:\s*$')
+
+
+def _explain(exc: msgspec.DecodeError, body: bytes) -> str:
+    """msgspec's message, plus a hint when the bad byte starts NaN or Infinity (Python's json
+    writes them, but they are not JSON)."""
+    match = _BYTE.search(str(exc))
+    if match:
+        at = int(match.group(1))
+        if body[at:].lstrip(b"-").startswith((b"NaN", b"Infinity")):
+            key = _LAST_KEY.search(body[max(0, at - 100):at].rstrip(b"-"))
+            where = f" - at `$.{key.group(1).decode()}`" if key else ""
+            return (f"{exc}: NaN and Infinity are not JSON numbers; send a finite number or "
+                    f"null{where}")
+    return str(exc)
+
+
+def check_limits(request: Any) -> None:
+    """Caps that span fields, which Meta constraints cannot express; ValueError names the
+    field first, so the error's param is set."""
+    if isinstance(request, CompletionRequest) and isinstance(request.prompt, list):
+        prompts = len(request.prompt) if request.prompt and all(
+            isinstance(p, (str, list)) for p in request.prompt) else 1
+        choices = prompts * (request.n or 1)
+        if choices > MAX_CHOICES:
+            raise ValueError(f"prompt holds {prompts} prompts and n is {request.n or 1}: "
+                             f"{choices} choices exceed the cap of {MAX_CHOICES} per request")
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,

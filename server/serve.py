@@ -7,6 +7,7 @@ up to --shutdown-timeout seconds, then the process exits 0. A second signal exit
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -17,7 +18,12 @@ from aiohttp import web
 
 from engine.config import EngineArgs
 from server.app import create_app
-from server.config import ServerConfig
+from server.config import (
+    MAX_HEADER_FIELD_BYTES,
+    MAX_HEADER_LINE_BYTES,
+    MAX_HEADERS,
+    ServerConfig,
+)
 from server.state import ENGINE, STATE
 
 logger = logging.getLogger("kvserve")
@@ -38,11 +44,16 @@ async def serve(config: ServerConfig, engine_args: EngineArgs) -> int:
     """Starts the app, waits for a signal, drains, and cleans up."""
     app = create_app(config, engine_args)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           handler_cancellation=True, shutdown_timeout=1.0)
+                           handler_cancellation=True, shutdown_timeout=1.0,
+                           max_line_size=MAX_HEADER_LINE_BYTES,
+                           max_field_size=MAX_HEADER_FIELD_BYTES, max_headers=MAX_HEADERS)
     await runner.setup()  # builds the engine: loads weights, logs the capacity lines
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     logger.info("kvserve is listening on http://%s:%d", config.host, _bound_port(site))
+    if not config.api_key and not is_loopback(config.host):
+        logger.warning("listening on %s, which is not a loopback address, without --api-key: "
+                       "anyone who can reach this port can use the model", config.host)
     stop = asyncio.Event()
     _install_signal_handlers(stop)
     await stop.wait()
@@ -51,6 +62,17 @@ async def serve(config: ServerConfig, engine_args: EngineArgs) -> int:
     await runner.cleanup()
     logger.info("kvserve stopped")
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only accepts local connections (a hostname other than localhost is
+    treated as reachable from elsewhere)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bound_port(site: web.TCPSite) -> int:

@@ -24,14 +24,15 @@ import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from engine.async_engine import AsyncEngine
-from server.errors import APIError, bad_request, from_exception
+from server.errors import APIError, bad_request, from_exception, invalid_json
 from server.generation import Call, ServedModel, start_chat, start_completion
-from server.protocol import ChatCompletionRequest, CompletionRequest, convert
+from server.protocol import ChatCompletionRequest, CompletionRequest, convert, parse_message
 from server.state import CONFIG, ENGINE, MODEL, STATE, ServerState
 
 logger = logging.getLogger("kvserve.server")
 
 RequestId = str | int
+MAX_ID_LENGTH = 256  # an id is echoed in every message of its request
 
 
 class WebSocketSession:
@@ -64,13 +65,15 @@ class WebSocketSession:
         """Dispatches one client message; bad messages get an error, never a crash."""
         request_id: RequestId | None = None
         try:
-            message = orjson.loads(raw)
+            message = parse_message(raw)
             if not isinstance(message, dict):
                 raise bad_request("a message must be a JSON object")
             request_id = _valid_id(message.get("id"))
             self._dispatch(message, request_id)
-        except orjson.JSONDecodeError as exc:
-            self.error(None, bad_request(f"the message is not valid JSON: {exc}"))
+        except msgspec.ValidationError as exc:  # raised only by convert: the id is known
+            self.error(request_id, from_exception(exc))
+        except msgspec.DecodeError as exc:
+            self.error(None, invalid_json(exc, "the message"))
         except Exception as exc:
             self.error(request_id, from_exception(exc))
 
@@ -142,9 +145,12 @@ class WebSocketSession:
 
 
 def _valid_id(value: Any) -> RequestId | None:
-    """The message's id if it is a string or an integer (never echo back anything else)."""
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
+    """The message's id if it is a string of at most MAX_ID_LENGTH characters or a 64-bit
+    integer (never echo back anything else)."""
+    if isinstance(value, str) and len(value) <= MAX_ID_LENGTH:
         return value
+    if isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63:
+        return value  # orjson writes 64-bit integers only
     return None
 
 

@@ -24,8 +24,10 @@ PROMPT = "Hello there"
 
 
 def _in_process(tiny_llama_dir: Path,
-                body: Callable[[TestClient[Any, Any], AsyncEngine], Any]) -> None:
-    args = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 * 2**20)
+                body: Callable[[TestClient[Any, Any], AsyncEngine], Any],
+                **engine_args: Any) -> None:
+    args = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 * 2**20,
+                      **engine_args)
     app = create_app(ServerConfig(), engine_factory=lambda: AsyncEngine.from_args(args))
 
     async def main() -> None:
@@ -112,3 +114,79 @@ def test_a_handler_bug_is_500_and_the_server_keeps_serving(
         assert engine.num_unfinished == 0
 
     _in_process(tiny_llama_dir, body)
+
+
+# ---- only the requests of the failed step -------------------------------------------------------
+
+LONG = 300  # tokens: the first request is surely still running when the fault is armed
+
+
+async def _sse_events(resp: Any) -> list[str]:
+    return [e for e in (await resp.read()).decode().split("\n\n") if e]
+
+
+async def _wait_for(condition: Callable[[], bool]) -> None:
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+def test_a_failed_step_fails_only_its_requests_over_sse(tiny_llama_dir: Path) -> None:
+    """With one sequence running, a queued request is not in the failed step: it succeeds."""
+    async def body(client: TestClient[Any, Any], engine: AsyncEngine) -> None:
+        request = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+        running = await client.post("/v1/completions", json=request)
+        assert running.status == 200
+        first = await running.content.readline()  # a token: it is running
+        assert first.startswith(b"data: {")
+        queued = asyncio.ensure_future(client.post("/v1/completions", json=request))
+        await _wait_for(lambda: len(engine.engine.scheduler.waiting) == 1)
+        failed = _fail_next_steps(engine, 1)
+        events = await _sse_events(running)
+        assert events[-1] == "data: [DONE]"
+        error = assert_error_body(json.loads(events[-2][len("data: "):]))
+        assert error["type"] == "server_error" and failed == [1]
+        resp = await queued
+        assert resp.status == 200
+        events = await _sse_events(resp)
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert all("error" not in c for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        await _normal_request(client)
+        assert not engine.is_dead and engine.num_unfinished == 0
+        assert engine.engine.kv.usage() == 0.0
+
+    _in_process(tiny_llama_dir, body, max_num_seqs=1)
+
+
+def test_a_failed_step_fails_only_its_requests_over_the_websocket(tiny_llama_dir: Path) -> None:
+    """The running id ends with an error message; the queued id on the same socket is done."""
+    async def body(client: TestClient[Any, Any], engine: AsyncEngine) -> None:
+        request = {"type": "completion", "prompt": PROMPT, "max_tokens": LONG,
+                   "ignore_eos": True}
+        async with client.ws_connect("/v1/ws") as ws:
+            await ws.send_json({**request, "id": "running"})
+            message = await ws.receive_json(timeout=30)
+            assert message["type"] == "delta" and message["id"] == "running", message
+            await ws.send_json({**request, "id": "queued"})
+            await _wait_for(lambda: len(engine.engine.scheduler.waiting) == 1)
+            failed = _fail_next_steps(engine, 1)
+            ends: dict[str, dict[str, Any]] = {}
+            while len(ends) < 2:
+                message = await ws.receive_json(timeout=30)
+                if message["type"] in ("done", "error"):
+                    ends[message["id"]] = message
+        assert failed == [1]
+        assert ends["running"]["type"] == "error"
+        assert assert_error_body({"error": ends["running"]["error"]})["type"] == "server_error"
+        assert ends["queued"]["type"] == "done"
+        assert ends["queued"]["finish_reasons"] == ["length"]
+        assert ends["queued"]["usage"]["completion_tokens"] == LONG
+        await _normal_request(client)
+        assert not engine.is_dead and engine.num_unfinished == 0
+        assert engine.engine.kv.usage() == 0.0
+
+    _in_process(tiny_llama_dir, body, max_num_seqs=1)

@@ -1,0 +1,105 @@
+"""The in-process engine benchmarks (KV waste, per-step overhead) on a tiny model: their
+accounting on hand-built block tables and short runs' shapes. No timing thresholds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from loadtest.bench_support import engine_args, tiny_model_dir
+from loadtest.benchmarks import kv_waste, overhead
+from loadtest.benchmarks.common import SuiteContext, target_line
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The benchmarks' own one-layer, hidden-64, config-only model (dummy weights)."""
+    return tiny_model_dir(tmp_path_factory.mktemp("bench_tiny"))
+
+
+def test_kv_slots_counts_shared_blocks_once_and_partial_blocks_exactly() -> None:
+    # A: 40 tokens in blocks 0, 1, 2 (16 + 16 + 8). B shares A's two full prefix blocks and
+    # has written 33 tokens: its block 3 holds 1. C holds blocks 4, 5 but wrote 16 tokens.
+    tables = [([0, 1, 2], 40), ([0, 1, 3], 33), ([4, 5], 16)]
+    slots, tokens = kv_waste.kv_slots(tables, block_size=16)
+    assert slots == 6 * 16
+    assert tokens == 16 + 16 + 8 + 1 + 16 + 0
+    assert kv_waste.kv_slots([], 16) == (0, 0)
+
+
+def test_summarize_weights_by_slots_and_gives_the_half_block_expectation() -> None:
+    samples = [(64, 41, 2), (32, 31, 1), (0, 0, 0)]
+    result = kv_waste.summarize(samples, block_size=16)
+    assert result["samples"] == 3
+    assert result["waste"] == pytest.approx((23 + 1) / (64 + 32))
+    assert result["max_waste"] == pytest.approx(23 / 64)
+    assert result["mean_context"] == pytest.approx((41 + 31) / 3)
+    assert result["expected"] == pytest.approx(3 * 7.5 / (72 + 3 * 7.5))
+
+
+def test_make_requests_share_a_prefix_and_keep_the_lengths() -> None:
+    cfg = kv_waste.WasteConfig.quick()
+    requests = kv_waste.make_requests(cfg)
+    assert len(requests) == cfg.num_requests
+    lo, hi = cfg.prompt_lens
+    assert all(lo <= len(p) <= hi and cfg.output_lens[0] <= n <= cfg.output_lens[1]
+               for p, n in requests)
+    long_even = [p for i, (p, _) in enumerate(requests) if i % 2 == 0 and len(p) > 40]
+    assert len({tuple(p[:cfg.shared_prefix]) for p in long_even}) == 1
+
+
+def test_kv_waste_short_run_samples_every_step(tiny_dir: Path) -> None:
+    cfg = kv_waste.WasteConfig(num_requests=6, prompt_lens=(20, 90), output_lens=(4, 20),
+                               wave_size=2, wave_every=3, shared_prefix=33)
+    requests = kv_waste.make_requests(cfg)
+    engine = LLMEngine(engine_args(str(tiny_dir), 1, 8, 2048))
+    forwards: list[int] = []
+    execute = engine.execute
+
+    def counting_execute(batch: Any) -> Any:
+        forwards.append(len(batch.requests))
+        return execute(batch)
+
+    engine.execute = counting_execute  # type: ignore[method-assign]
+    try:
+        samples = kv_waste.drive(engine, requests, cfg)
+    finally:
+        engine.shutdown()
+    assert len(samples) == len(forwards) > 0
+    assert all(0 <= tokens <= slots for slots, tokens, _ in samples)
+    result = kv_waste.summarize(samples, 16)
+    assert 0 < result["waste"] < 1
+    assert engine.scheduler.stats.num_preemptions == 0
+    assert engine.kv.stats.hits > 0  # the shared prefix was reused
+
+
+def test_kv_waste_run_and_render(tiny_dir: Path, tmp_path: Path) -> None:
+    ctx = SuiteContext(threads=1, quick=True, log_dir=tmp_path,
+                       extra={"kv_waste_model": str(tiny_dir)})
+    result = kv_waste.run(ctx)
+    assert {"target", "met", "summary"} <= set(result)
+    assert [r["block_size"] for r in result["rows"]] == [16, 16, 16, 32, 32]
+    assert all(0 < r["waste"] < 1 for r in result["rows"])
+    assert result["rows"][0]["waste"] == result["rows"][1]["waste"]  # model-independent
+    assert target_line(result["target"], result["met"], result["summary"]) in \
+        kv_waste.render(result)
+
+
+def test_overhead_quick_run_and_render(tiny_dir: Path, tmp_path: Path) -> None:
+    ctx = SuiteContext(threads=1, quick=True, log_dir=tmp_path,
+                       extra={"overhead_reference_model": str(tiny_dir)})
+    result = overhead.run(ctx)
+    assert [r["running"] for r in result["rows"]] == [16, 32]
+    for row in result["rows"]:
+        assert row["steady_steps"] > 0
+        assert row["sse_bytes"] > 0
+        for key in ("interval_ms", "forward_ms", "forward_alone_ms", "reference_forward_ms",
+                    "loop_cpu_ms"):
+            assert row[key] > 0, key
+        assert 0 <= row["share"] <= 1
+    assert result["met"] in (True, False)
+    assert target_line(result["target"], result["met"], result["summary"]) in \
+        overhead.render(result)
