@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvserve-installed
 
-.PHONY: setup serve test bench bench-serve lint clean
+.PHONY: setup serve test bench bench-offline bench-serve soak lint clean
 
 setup: $(STAMP)
 
@@ -25,7 +25,12 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The whole benchmark suite (docs/benchmarks.md); the serving part needs the peer's venv.
 bench: setup
+	test -x .venv-bench/bin/transformers || $(PY) -m loadtest.bench_serve --setup-peer
+	$(PY) -m loadtest.benchmarks
+
+bench-offline: setup
 	$(PY) -m loadtest.bench_offline
 
 # The serving benchmark against `transformers serve --continuous-batching`, which runs from its
@@ -33,6 +38,10 @@ bench: setup
 bench-serve: setup
 	test -x .venv-bench/bin/transformers || $(PY) -m loadtest.bench_serve --setup-peer
 	$(PY) -m loadtest.bench_serve --json docs/bench_serve.json --markdown docs/bench_serve.md
+
+# Ten minutes of mixed load against the embedded model; PASS/FAIL per property.
+soak: setup
+	$(PY) -m loadtest.soak --minutes 10
 
 lint: setup
 	$(VENV)/bin/ruff check .

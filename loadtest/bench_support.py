@@ -87,14 +87,19 @@ def engine_args(model: str | None, threads: int, max_seqs: int, kv_tokens: int,
 
 
 def run_alone(name: str, run: Callable[[SuiteContext], dict[str, Any]],
-              render: Callable[[dict[str, Any]], str], argv: Sequence[str] | None = None) -> None:
-    """A benchmark module's own CLI: [--quick] [--threads N] [--json PATH]; prints markdown."""
+              render: Callable[[dict[str, Any]], str], argv: Sequence[str] | None = None,
+              model_flag: bool = False) -> None:
+    """A benchmark module's own CLI: [--quick] [--threads N] [--json PATH] (and [--model M]
+    when the benchmark takes one, passed as ctx.extra["model"]); prints markdown."""
     parser = argparse.ArgumentParser(description=name)
     parser.add_argument("--quick", action="store_true", help="small workload, a smoke run")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json", dest="json_path", help="also write the result here")
+    if model_flag:
+        parser.add_argument("--model", type=Path, default=None, help="default: SmolLM2")
     ns = parser.parse_args(argv)
-    result = run(SuiteContext(threads=ns.threads, quick=ns.quick))
+    extra = {"model": ns.model} if model_flag and ns.model else {}
+    result = run(SuiteContext(threads=ns.threads, quick=ns.quick, extra=extra))
     print(render(result))
     if ns.json_path:
         Path(ns.json_path).write_text(json.dumps(result, indent=2, default=str))

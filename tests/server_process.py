@@ -92,3 +92,25 @@ def assert_error_body(body: Any, param: str | None = None) -> dict[str, Any]:
     if param is not None:
         assert error["param"] == param
     return dict(error)
+
+
+def server_metrics(url: str) -> dict[str, float | None]:
+    """The server's /metrics page, parsed by the load harness (running, waiting,
+    kv_cache_usage, preemptions, prefix-cache counters)."""
+    from loadtest.scrape import parse_metrics
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return parse_metrics(resp.read().decode())
+
+
+def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float | None]:
+    """Polls /metrics until nothing runs or waits and KV usage is exactly 0 (the gauge is
+    1 - free / total blocks, so 0.0 means every block is free); returns that page."""
+    deadline = time.monotonic() + timeout
+    while True:
+        page = server_metrics(url)
+        busy = (page["running"], page["waiting"], page["kv_cache_usage"])
+        if busy == (0.0, 0.0, 0.0):
+            return page
+        assert time.monotonic() < deadline, f"still busy (running, waiting, usage) = {busy}"
+        time.sleep(0.05)

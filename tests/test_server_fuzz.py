@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import content_type_conformance
 
 from server_process import ServerProcess, assert_error_body, kvserve
-
-schemathesis = pytest.importorskip("schemathesis")
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import content_type_conformance  # noqa: E402
 
 EXAMPLES_PER_MODE = 15  # x 2 modes = 30 cases per operation
 MAX_GENERATED_TOKENS = 4  # valid generation requests stay cheap on CPU

@@ -19,9 +19,8 @@ import aiohttp
 import pytest
 
 from loadtest.records import RequestRecord
-from loadtest.scrape import parse_metrics
 from loadtest.sse_client import StreamRequest, stream_request
-from server_process import ServerProcess, assert_error_body, kvserve
+from server_process import ServerProcess, assert_error_body, kvserve, wait_idle
 from tiny_models import random_prompts
 
 MAX_MODEL_LEN = 128
@@ -46,27 +45,6 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
                  "--kv-cache-memory-bytes", str(kv_bytes),
                  log_dir=tmp_path_factory.mktemp("preemption_logs")) as proc:
         yield proc
-
-
-def metrics(url: str) -> dict[str, float | None]:
-    """The parsed /metrics page (running, waiting, kv_cache_usage, preemptions, ...)."""
-    async def fetch() -> str:
-        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
-            return await resp.text()
-
-    return parse_metrics(asyncio.run(fetch()))
-
-
-def wait_idle(url: str, timeout: float = 10.0) -> dict[str, float | None]:
-    """Polls /metrics until nothing runs, waits or holds a KV block."""
-    deadline = time.monotonic() + timeout
-    while True:
-        page = metrics(url)
-        busy = (page["running"], page["waiting"], page["kv_cache_usage"])
-        if busy == (0.0, 0.0, 0.0):
-            return page
-        assert time.monotonic() < deadline, f"still busy (running, waiting, usage) = {busy}"
-        time.sleep(0.05)
 
 
 def greedy(prompt: list[int]) -> StreamRequest:

@@ -22,10 +22,9 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.scrape import parse_metrics
 from loadtest.sse_client import SSEParser, StreamRequest, build_body, stream_request
 from loadtest.ws_client import WSClient
-from server_process import kvserve
+from server_process import kvserve, wait_idle
 from tiny_models import english_sentences
 
 NUM_STREAMS = int(os.environ.get("KVSERVE_STORM_STREAMS", "200"))
@@ -45,28 +44,6 @@ REJECT_WITHIN_S = 2.0
 # so nothing should grow with the number of requests; 30 MB leaves room for allocator and
 # aiohttp buffer noise while still catching a leak of per-request state (tens of KB each).
 RSS_GROWTH_BYTES = 30 * 2**20
-
-
-def metrics(url: str) -> dict[str, float | None]:
-    """The parsed /metrics page."""
-    async def fetch() -> str:
-        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
-            return await resp.text()
-
-    return parse_metrics(asyncio.run(fetch()))
-
-
-def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float | None]:
-    """Polls /metrics until nothing runs or waits and the KV usage is exactly 0. The gauge is
-    1 - free / total blocks, so 0.0 means the free block count equals the total."""
-    deadline = time.monotonic() + timeout
-    while True:
-        page = metrics(url)
-        busy = (page["running"], page["waiting"], page["kv_cache_usage"])
-        if busy == (0.0, 0.0, 0.0):
-            return page
-        assert time.monotonic() < deadline, f"still busy (running, waiting, usage) = {busy}"
-        time.sleep(0.05)
 
 
 def greedy_texts(url: str) -> list[str]:

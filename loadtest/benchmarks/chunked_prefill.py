@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 
 from loadtest.bench_report import format_table
+from loadtest.bench_support import run_alone
 from loadtest.benchmarks.common import SuiteContext, target_line
 from loadtest.benchmarks.prefix_cache import (
     completion,
@@ -32,9 +33,6 @@ from loadtest.benchmarks.prefix_cache import (
     serve,
     token_prompts,
     vocab_size,
-)
-from loadtest.benchmarks.prefix_cache import (
-    main as module_main,
 )
 from loadtest.sse_client import DONE, ENDPOINTS, SSEParser, build_body, percentile
 
@@ -259,8 +257,8 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: --quick, --threads, --json; prints the rendered markdown."""
-    module_main(argv, run, render, NAME)
+    """Command line: --quick, --threads, --json, --model; prints the rendered markdown."""
+    run_alone(NAME, run, render, argv, model_flag=True)
 
 
 if __name__ == "__main__":

@@ -14,20 +14,20 @@ chunked-prefill benchmark. Run alone as
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
-import re
 import statistics
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from loadtest.bench_report import format_table
+from loadtest.bench_support import run_alone
 from loadtest.benchmarks.common import SuiteContext, target_line
+from loadtest.scrape import parse_metrics
 from loadtest.serve_process import (
     RunningServer,
     kvserve_spec,
@@ -97,13 +97,10 @@ def completion(model_id: str, prompt: list[int], max_tokens: int) -> StreamReque
 
 
 def parse_prefix_counters(text: str) -> dict[str, float]:
-    """prefix_cache_queries / prefix_cache_hits (tokens) from a Prometheus text page; the
-    counters may carry the `_total` suffix. Missing counters read as 0."""
-    out = {}
-    for key in ("prefix_cache_queries", "prefix_cache_hits"):
-        match = re.search(rf"^kvserve:{key}(?:_total)?(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
-        out[key] = float(match.group(1)) if match else 0.0
-    return out
+    """prefix_cache_queries / prefix_cache_hits (tokens) from a Prometheus text page, read by
+    the load harness's parser; missing counters read as 0."""
+    metrics = parse_metrics(text)
+    return {key: metrics[key] or 0.0 for key in ("prefix_cache_queries", "prefix_cache_hits")}
 
 
 def scrape(server: RunningServer) -> dict[str, float]:
@@ -252,23 +249,9 @@ def render(result: dict[str, Any]) -> str:
     ])
 
 
-def main(argv: Sequence[str] | None = None, module_run: Callable[..., dict[str, Any]] = run,
-         module_render: Callable[[dict[str, Any]], str] = render,
-         description: str = NAME) -> None:
-    """Command line: --quick, --threads, --json, --model; prints the rendered markdown.
-    The chunked-prefill benchmark calls it with its own run, render and name."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--quick", action="store_true", help="smaller workload (smoke run)")
-    parser.add_argument("--threads", type=int, default=2, help="server torch threads")
-    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
-    parser.add_argument("--model", type=Path, default=None, help="model (default: SmolLM2)")
-    ns = parser.parse_args(argv)
-    ctx = SuiteContext(threads=ns.threads, quick=ns.quick,
-                       extra={"model": ns.model} if ns.model else {})
-    result = module_run(ctx)
-    if ns.json:
-        ns.json.write_text(json.dumps(result, indent=2, default=str))
-    print(module_render(result))
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: --quick, --threads, --json, --model; prints the rendered markdown."""
+    run_alone(NAME, run, render, argv, model_flag=True)
 
 
 if __name__ == "__main__":
