@@ -133,7 +133,7 @@ class LLMEngine:
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self._tokenize(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
@@ -142,11 +142,13 @@ class LLMEngine:
                 raise ValueError("the prompt is empty; give at least one token of text")
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (list, tuple)):
-            return None, self._check_ids(list(prompt))
+            return None, self.check_token_ids(list(prompt))
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, not "
                          f"{type(prompt).__name__}")
 
-    def _check_ids(self, ids: list[Any]) -> list[int]:
+    def check_token_ids(self, ids: list[Any]) -> list[int]:
+        """The ids as ints; ValueError for an empty list or an id outside the vocabulary
+        (before anything decodes or embeds them)."""
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size

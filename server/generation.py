@@ -170,4 +170,5 @@ def _start(engine: AsyncEngine, spec: CallSpec, prompts: list[PromptInput], para
 def _prompt_text(engine: AsyncEngine, prompt: PromptInput) -> str:
     if isinstance(prompt, str):
         return prompt
-    return str(engine.engine.tokenizer.decode(prompt))
+    # echo decodes the ids before the engine sees them: check them first (400, not a crash)
+    return str(engine.engine.tokenizer.decode(engine.engine.check_token_ids(list(prompt))))

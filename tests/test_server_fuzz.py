@@ -5,6 +5,7 @@ requests for every documented operation, a bounded number each. No response is a
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,9 @@ from schemathesis.specs.openapi.checks import content_type_conformance
 from server_process import ServerProcess, assert_error_body, kvserve
 
 EXAMPLES_PER_MODE = 15  # x 2 modes = 30 cases per operation
+# CI replays the same derandomized cases, so a landing never hangs on a lucky draw;
+# KVSERVE_FUZZ_RANDOM=1 draws new cases each run (how the echo-with-huge-ids 500 was found).
+DERANDOMIZE = os.environ.get("KVSERVE_FUZZ_RANDOM", "") != "1"
 MAX_GENERATED_TOKENS = 4  # valid generation requests stay cheap on CPU
 BUDGET_S = 90.0
 
@@ -67,7 +71,7 @@ def fuzz_operation(operation: Any, mode: GenerationMode, base_url: str,
     positive = mode == GenerationMode.POSITIVE
 
     @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+              derandomize=DERANDOMIZE, suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case: Any) -> None:
         if positive:
