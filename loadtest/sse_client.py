@@ -2,8 +2,8 @@
 
 `stream_request` sends one `stream: true` chat or text completion and times it: TTFT (to the
 first non-empty content chunk), the gaps between later content chunks (ITL), and end to end.
-`run_fixed_concurrency` keeps C requests in flight until N are done or a time limit passes,
-and `summarize` turns the records into throughput and latency percentiles.
+`run_fixed_concurrency` keeps C requests in flight until N are done or a time limit passes;
+`loadtest.stats.summarize` turns records into throughput and latency percentiles.
 
 Server errors never raise: an HTTP error status, an in-stream `{"error": ...}` object, a
 dropped connection or a timeout each come back as a record with `ok=False`.
@@ -12,7 +12,6 @@ dropped connection or a timeout each come back as a record with `ok=False`.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -213,30 +212,3 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def summarize(result: RunResult) -> dict[str, Any]:
-    """Throughput over the run's wall time and latency percentiles (ms) over the successful
-    requests; ITL pools every gap of every request, as serving benchmarks usually do."""
-    ok = [r for r in result.records if r.ok]
-    failed = [r for r in result.records if not r.ok]
-    tokens = sum(r.output_tokens for r in ok)
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    itl = list(itertools.chain.from_iterable(r.itl_s for r in ok))
-    e2e = [r.e2e_s for r in ok]
-
-    def ms(values: Sequence[float], q: float) -> float | None:
-        value = percentile(values, q)
-        return None if value is None else value * 1e3
-
-    return {
-        "concurrency": result.concurrency, "requests": len(result.records),
-        "ok": len(ok), "failed": len(failed), "not_started": result.not_started,
-        "output_tokens": tokens, "wall_s": result.wall_s,
-        "output_tok_s": tokens / result.wall_s if result.wall_s > 0 else 0.0,
-        "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
-        "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99),
-        "e2e_p50_ms": ms(e2e, 50),
-        "usage_reported": sum(r.usage_reported for r in ok),
-        "errors": sorted({r.error for r in failed})[:5],
-    }

@@ -14,14 +14,13 @@ from aiohttp.test_utils import TestServer
 
 from loadtest.sse_client import (
     RequestRecord,
-    RunResult,
     SSEParser,
     StreamRequest,
     percentile,
     run_fixed_concurrency,
     stream_request,
-    summarize,
 )
+from loadtest.stats import summarize
 
 FIRST_SLEEP, GAP_SLEEP = 0.06, 0.02
 WORDS = ["Hello", ",", " world", "!"]
@@ -184,9 +183,11 @@ def test_runner_keeps_concurrency_and_records_every_request() -> None:
     result, max_in_flight = with_server(lambda base: run_fixed_concurrency(base, reqs, 2))
     assert len(result.records) == 6 and result.not_started == 0
     assert max_in_flight == 2
-    summary = summarize(result)
-    assert summary["ok"] == 5 and summary["failed"] == 1 and summary["output_tokens"] == 35
-    assert summary["errors"] and "HTTP 400" in summary["errors"][0]
+    summary = summarize(result.records, result.wall_s)
+    assert summary["successful_requests"] == 5 and summary["failed_requests"] == 1
+    assert summary["total_output_tokens"] == 35
+    errors = list(summary["failure_examples"].values())
+    assert errors and "HTTP 400" in errors[0]
 
 
 def test_runner_starts_nothing_after_time_limit() -> None:
@@ -207,11 +208,13 @@ def test_summarize_known_sample() -> None:
     records = [RequestRecord(ok=True, ttft_s=0.1 * (i + 1), itl_s=[0.01, 0.03], e2e_s=1.0 + i,
                              output_tokens=10) for i in range(4)]
     records.append(RequestRecord(ok=False, error="HTTP 500: x", ttft_s=9.0, output_tokens=99))
-    s = summarize(RunResult(records, wall_s=4.0, concurrency=2))
-    assert (s["requests"], s["ok"], s["failed"], s["output_tokens"]) == (5, 4, 1, 40)
-    assert s["output_tok_s"] == pytest.approx(10.0)
-    assert s["ttft_p50_ms"] == pytest.approx(250.0)  # failures are left out of latencies
-    assert s["ttft_p99_ms"] == pytest.approx(397.0)
-    assert s["itl_p50_ms"] == pytest.approx(20.0) and s["itl_p99_ms"] == pytest.approx(30.0)
-    assert s["e2e_p50_ms"] == pytest.approx(2500.0)
-    assert s["errors"] == ["HTTP 500: x"]
+    s = summarize(records, duration_s=4.0)
+    assert (s["successful_requests"] + s["failed_requests"], s["successful_requests"],
+            s["failed_requests"], s["total_output_tokens"]) == (5, 4, 1, 40)
+    assert s["output_throughput"] == pytest.approx(10.0)
+    assert s["ttft_ms"]["median"] == pytest.approx(250.0)  # failures are left out of latencies
+    assert s["ttft_ms"]["p99"] == pytest.approx(397.0)
+    assert s["itl_ms"]["median"] == pytest.approx(20.0)
+    assert s["itl_ms"]["p99"] == pytest.approx(30.0)
+    assert s["e2el_ms"]["median"] == pytest.approx(2500.0)
+    assert list(s["failure_examples"].values()) == ["HTTP 500: x"]
