@@ -17,13 +17,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.config import EngineArgs
+from engine.core.request import Request
+from engine.core.scheduler_output import SchedulerOutput, StepResult
 from engine.llm_engine import LLMEngine, PromptInput
 from engine.metrics import EngineMetrics, StatsLogger, StepTimes
-from engine.model_runner import StepResult
 from engine.outputs import RequestOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("kvserve")
 

@@ -18,14 +18,15 @@ from engine.capacity import (
     resolve_max_model_len,
 )
 from engine.config import EngineArgs
-from engine.kv_cache_manager import KVCacheManager
-from engine.loader import checkpoint_generation_config, load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner, StepResult
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput, StepResult
+from engine.model_loader.loader import checkpoint_generation_config, load_tokenizer, resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kvserve")
 

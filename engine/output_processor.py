@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.request import Request
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.request import Request
 
 
 @dataclass

@@ -118,7 +118,7 @@ def load_model_config(model: str | None) -> tuple[ModelConfig, str]:
     """ModelConfig from an HF folder (config.json) or a GGUF file; None = the embedded default."""
     if model is not None and Path(model).is_dir():
         return ModelConfig.from_folder(model), model
-    from engine.gguf_loader import default_model_path, is_gguf_file, read_gguf_config
+    from engine.model_loader.gguf.weights import default_model_path, is_gguf_file, read_gguf_config
 
     path = Path(model) if model is not None else default_model_path()
     if path.is_file() and is_gguf_file(path):

@@ -1,5 +1,5 @@
 """Paged attention ops as Triton kernels: the CUDA path. Their torch twins in
-kernels/attention.py share the signatures and are the oracle in tests.
+kernels/torch_attention.py share the signatures and are the oracle in tests.
 
 `triton.jit` decides at decoration time whether a kernel runs compiled or in Triton's CPU
 interpreter (TRITON_INTERPRET=1): set that variable before triton itself is first imported,
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import AttentionMetadata, is_fp8
+from kernels.metadata import AttentionMetadata, is_fp8
 
 TARGET_PROGRAMS = 132  # an H100/H200's SM count: split-KV decode aims to give each SM work
 MAX_SEGMENTS = 16

@@ -115,7 +115,7 @@ def load_hf_model() -> Any:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from engine.gguf_loader import default_model_path
+    from engine.model_loader.gguf.weights import default_model_path
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -97,7 +97,8 @@ def environment(threads: int) -> dict[str, Any]:
 
 def make_workloads(cfg: BenchConfig, mc: ModelConfig) -> dict[str, Any]:
     """The throughput prompts, the short decode prompts and the batch-1 prompt."""
-    from engine.gguf_loader import default_model_path, load_gguf_tokenizer
+    from engine.model_loader.gguf.tokenizer import load_gguf_tokenizer
+    from engine.model_loader.gguf.weights import default_model_path
 
     tok = load_gguf_tokenizer(default_model_path())
     excluded = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
@@ -111,7 +112,7 @@ def make_workloads(cfg: BenchConfig, mc: ModelConfig) -> dict[str, Any]:
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
     """Measures everything in order: machine, kvserve (dtype, then bf16), transformers."""
-    from engine.gguf_loader import default_model_path, read_gguf_config
+    from engine.model_loader.gguf.weights import default_model_path, read_gguf_config
 
     torch.set_num_threads(cfg.threads)
     mc = read_gguf_config(default_model_path())

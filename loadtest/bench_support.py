@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineArgs
-from engine.loader import resolve_model
+from engine.model_loader.loader import resolve_model
 from loadtest.benchmarks.common import ROOT, SuiteContext
 
 TINY_VOCAB = 4096

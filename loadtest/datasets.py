@@ -54,7 +54,7 @@ class LocalTokenizer:
     """A tokenizer loaded here: an HF folder, a GGUF file, or "default" (the embedded model)."""
 
     def __init__(self, path: str) -> None:
-        from engine.loader import load_tokenizer, resolve_model
+        from engine.model_loader.loader import load_tokenizer, resolve_model
 
         self._tok = load_tokenizer(resolve_model(None if path == "default" else path))
 

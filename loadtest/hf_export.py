@@ -46,7 +46,7 @@ def export_smollm2(out: Path = DEFAULT_EXPORT_DIR, force: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.gguf_loader import default_model_path
+    from engine.model_loader.gguf.weights import default_model_path
 
     gguf = default_model_path()
     # Build in a sibling folder and rename at the end, so an interrupted export never

@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model
     if model == "default":
-        from engine.gguf_loader import default_model_path
+        from engine.model_loader.gguf.weights import default_model_path
 
         model = str(default_model_path())
     log_dir = args.json.parent

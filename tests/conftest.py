@@ -9,8 +9,8 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from engine.gguf_loader import default_model_path
-from tiny_models import build_tiny_model
+from engine.model_loader.gguf.weights import default_model_path
+from tests.support.tiny_models import build_tiny_model
 
 # Tests never reach a model hub: everything they load is built here or shipped in a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -6,7 +6,7 @@ import torch
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from kernels.attention import AttentionBackend
+from kernels.metadata import AttentionBackend
 
 
 def build_model(cfg: ModelConfig, backend: AttentionBackend, max_model_len: int,

@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.rope import RotaryEmbedding
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.metadata import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):

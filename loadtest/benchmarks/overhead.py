@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import orjson
 
 from engine.config import EngineArgs
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.llm_engine import LLMEngine
 from engine.metrics import StepTimes
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
 from loadtest.bench_offline import random_prompts
 from loadtest.bench_report import format_table
 from loadtest.bench_support import TINY_VOCAB, engine_args, run_alone, tiny_model_dir

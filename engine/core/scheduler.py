@@ -1,0 +1,204 @@
+"""The token-budget scheduler: running requests first, then waiting ones, chunked prefill,
+preemption by recompute. Only the event-loop thread touches this state."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the stats line and /metrics read."""
+
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # whole prompts (cache hits included) once prefilled, as vLLM
+    num_generation_tokens: int = 0
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._finished_ids: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        """Queues a validated request."""
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Builds one step's batch under the token budget and the sequence cap."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        budget, preempted = self._schedule_running(budget, scheduled)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        finished, self._finished_ids = frozenset(self._finished_ids), set()
+        return SchedulerOutput(tuple(self._freeze(r, n) for r, n in scheduled), finished)
+
+    def _schedule_running(self, budget: int, out: list[tuple[Request, int]]) -> tuple[int, bool]:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
+                out.append((request, num_new))
+                budget -= num_new
+                i += 1
+        return budget, preempted
+
+    def _schedule_waiting(self, budget: int, out: list[tuple[Request, int]]) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.popleft()
+            if self._waits_for_sibling(request):
+                skipped.append(request)
+                continue
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                self.waiting.appendleft(request)
+                break
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.kv.cache_blocks(request, num_hit_tokens + num_new)
+            self.running.append(request)
+            out.append((request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _waits_for_sibling(self, request: Request) -> bool:
+        """Choices 2..n wait until choice 1 has computed the prompt they will share."""
+        parent = request.parent
+        return (parent is not None and not parent.is_finished
+                and parent.num_computed_tokens < parent.num_prompt_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _freeze(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        params = request.sampling_params
+        history = params.needs_penalties
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            banned = tuple(params.stop_token_ids) + tuple(
+                () if params.ignore_eos else request.eos_token_ids)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start:end]),
+            start_pos=start,
+            block_ids=tuple(self.kv.get_block_ids(request.request_id)),
+            sample=end == request.num_tokens,
+            sampling_params=params,
+            prompt_token_ids=tuple(request.prompt_token_ids) if history else (),
+            output_token_ids=tuple(request.output_token_ids) if history else (),
+            banned_token_ids=banned,
+        )
+
+    def update_from_output(self, batch: SchedulerOutput, sampled: dict[str, int],
+                           logprobs: dict[str, tuple[float, list[tuple[int, float]], int]]
+                           ) -> list[Request]:
+        """Advances counters, appends sampled tokens, finishes requests; returns those touched."""
+        touched = []
+        for item in batch.requests:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            if item.sample and item.request_id in sampled:
+                if request.num_output_tokens == 0:  # prefill done: count the whole prompt,
+                    self.stats.num_prompt_tokens += request.num_prompt_tokens  # as vLLM does
+                request.append_output_token(sampled[item.request_id])
+                if item.request_id in logprobs:
+                    request.logprobs.append(logprobs[item.request_id])
+                self._check_stop(request)
+                touched.append(request)
+        return touched
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        self.stats.num_generation_tokens += 1
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+        if request.num_output_tokens >= request.max_tokens or \
+                request.num_tokens >= self.max_model_len:
+            self.finish(request, RequestStatus.FINISHED_LENGTH)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request for any reason and frees its blocks at once."""
+        if request.is_finished:
+            return
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Aborts requests by id (unknown ids are ignored); returns the ones aborted."""
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def fail_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finishes requests whose step failed, with finish_reason `error`."""
+        failed = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self.kv.discard_uncomputed(request)
+                self.finish(request, RequestStatus.FINISHED_ERROR)
+                failed.append(request)
+        return failed

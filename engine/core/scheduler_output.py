@@ -1,0 +1,52 @@
+"""What crosses between the scheduler and the worker: the immutable batch of one step
+(`SchedulerOutput` of `ScheduledRequest`s) and what the step produced (`StepResult`).
+
+Kept apart from the scheduler so the worker side imports these types and never the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+# (sampled token's logprob, [(token id, logprob)] top-N, sampled token's rank)
+TokenLogprobs = tuple[float, list[tuple[int, float]], int]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step, frozen so the worker thread can read it safely."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens computed this step
+    start_pos: int  # position of token_ids[0]
+    block_ids: tuple[int, ...]
+    sample: bool  # whether this step reaches the end of the known tokens
+    sampling_params: SamplingParams
+    # Set only when sampling needs history (penalties): prompt and output token ids.
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
+    # Token ids that must not be sampled yet (min_tokens): EOS and stop ids.
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """An immutable batch for the worker."""
+
+    requests: tuple[ScheduledRequest, ...]
+    finished_request_ids: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step."""
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+@dataclass
+class StepResult:
+    """What one step produced: a token (and maybe logprobs) per sampling request."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

@@ -1,0 +1,230 @@
+"""The worker side: owns the weights, the KV tensors and the sampler; turns an immutable
+batch into sampled tokens. It never touches scheduler state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import FP8_KV_CACHE_DTYPES, EngineArgs, ModelConfig
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
+from engine.model_loader.loader import ModelSource, iter_weights
+from engine.models import build_model
+from engine.models.cpu_linear import pack_linears
+from engine.models.llama import LlamaForCausalLM
+from engine.sampling_params import SamplingParams
+from engine.worker.cuda_graphs import DecodeBatch, DecodeGraphRunner, capture_sizes
+from engine.worker.sampler import Sampler
+from kernels.metadata import AttentionMetadata
+from kernels.selector import get_attention_backend
+
+
+@dataclass
+class _BatchInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_rows]
+    sampling_rows: list[ScheduledRequest]
+
+
+class ModelRunner:
+    """Loads the model and runs steps; call everything from one worker thread."""
+
+    def __init__(self, source: ModelSource, args: EngineArgs, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int) -> None:
+        self.config: ModelConfig = source.config
+        self.args = args
+        self.device = device
+        self.dtype = dtype
+        self.block_size = args.block_size
+        self.backend = get_attention_backend(args.attention_backend, device)
+        self.model = self._load_model(source, max_model_len)
+        self.sampler = Sampler(device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graph_runner: DecodeGraphRunner | None = None
+        self.max_model_len = max_model_len
+
+    def _load_model(self, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            model = build_model(self.config, self.backend, max_model_len, self.device)
+        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        if self.config.tie_word_embeddings:  # to_empty unties shared parameters
+            model.lm_head.weight = model.embed_tokens.weight
+        if self.args.load_format == "dummy":
+            _init_dummy_weights(model)
+        else:
+            model.load_weights(iter_weights(source, self.dtype))
+        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.device.type == "cpu":
+            pack_linears(model)
+        return model.eval()
+
+    def weight_bytes(self) -> int:
+        """Bytes the checkpoint's weights occupy (tied tensors counted once)."""
+        return self._weight_bytes
+
+    def kv_cache_dtype(self) -> torch.dtype:
+        """Element type of the KV tensors: the model dtype for `auto`, else the fp8 type."""
+        return FP8_KV_CACHE_DTYPES.get(self.args.kv_cache_dtype, self.dtype)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode graphs need CUDA, a backend without host syncs (Triton) and no
+        --enforce-eager."""
+        return (self.device.type == "cuda" and not self.args.enforce_eager
+                and bool(getattr(self.backend, "supports_cuda_graphs", False)))
+
+    def _graph_runner(self, sizes: list[int]) -> DecodeGraphRunner:
+        return DecodeGraphRunner(self.model, sizes, self.max_model_len, self.block_size,
+                                 self.config.sliding_window, self.device, use_graphs=True)
+
+    def profile_cuda_graph_bytes(self, max_num_seqs: int) -> int:
+        """Memory the decode graphs will hold, measured by capturing the largest one against a
+        one-block cache, so the KV budget can leave room for it; 0 without graphs."""
+        if not self.uses_cuda_graphs:
+            return 0
+        self.allocate_kv_cache(1)
+        probe = self._graph_runner([capture_sizes(max_num_seqs)[-1]])
+        probe.capture(self.kv_caches)
+        graph_bytes = probe.graph_bytes
+        del probe
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return graph_bytes
+
+    def init_cuda_graphs(self, max_num_seqs: int) -> None:
+        """Captures the decode graphs; call after the KV cache is allocated."""
+        if self.uses_cuda_graphs:
+            self.graph_runner = self._graph_runner(capture_sizes(max_num_seqs))
+            self.graph_runner.capture(self.kv_caches)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One K and one V tensor per layer: [num_blocks, block_size, kv_heads, head_dim]."""
+        cfg = self.config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device),
+                           torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device))
+                          for _ in range(cfg.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
+        """Peak memory of one forward over `num_tokens` prompt tokens (CUDA only; 0 on CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fake = ScheduledRequest("profile", tuple([0] * num_tokens), 0,
+                                tuple(range(num_blocks)), True,
+                                SamplingParams(temperature=0.0, max_tokens=1))
+        self.execute(SchedulerOutput((fake,)))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> StepResult:
+        """Runs the model over the batch and samples where requests reached their end."""
+        self.sampler.forget(batch.finished_request_ids)
+        if not batch.requests:
+            return StepResult()
+        decode = self._decode_batch(batch)
+        if decode is not None:  # one graph replay instead of hundreds of launches
+            assert self.graph_runner is not None
+            hidden = self.graph_runner.run(decode, self.kv_caches)
+            rows = list(batch.requests)
+        else:
+            inputs = self._prepare(batch)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if not inputs.sampling_rows:
+                return StepResult()
+            hidden, rows = hidden[inputs.logits_indices], inputs.sampling_rows
+        logits = self.model.compute_logits(hidden)
+        tokens, logprobs = self.sampler.sample(logits, rows)
+        result = StepResult()
+        for row, token, lp in zip(rows, tokens, logprobs, strict=True):
+            result.sampled[row.request_id] = token
+            if lp is not None:
+                result.logprobs[row.request_id] = lp
+        return result
+
+    def _decode_batch(self, batch: SchedulerOutput) -> DecodeBatch | None:
+        """The batch as graph-runner input when it is all decodes and fits; else None."""
+        runner = self.graph_runner
+        if runner is None or not all(len(r.token_ids) == 1 and r.sample for r in batch.requests):
+            return None
+        bs = self.block_size
+        decode = DecodeBatch(
+            token_ids=[r.token_ids[0] for r in batch.requests],
+            positions=[r.start_pos for r in batch.requests],
+            slots=[r.block_ids[r.start_pos // bs] * bs + r.start_pos % bs
+                   for r in batch.requests],
+            block_tables=[list(r.block_ids) for r in batch.requests])
+        return decode if runner.can_run(decode) else None
+
+    def _prepare(self, batch: SchedulerOutput) -> _BatchInputs:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, logits_idx = [], [], []
+        for item in batch.requests:
+            num = len(item.token_ids)
+            token_ids.extend(item.token_ids)
+            positions.extend(range(item.start_pos, item.start_pos + num))
+            query_lens.append(num)
+            seq_lens.append(item.start_pos + num)
+            if item.sample:
+                logits_idx.append(len(token_ids) - 1)
+        meta = self._metadata(batch, positions, query_lens, seq_lens)
+        dev = self.device
+        return _BatchInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            sampling_rows=[item for item in batch.requests if item.sample],
+        )
+
+    def _metadata(self, batch: SchedulerOutput, positions: list[int], query_lens: list[int],
+                  seq_lens: list[int]) -> AttentionMetadata:
+        bs, dev = self.block_size, self.device
+        max_blocks = max(len(item.block_ids) for item in batch.requests)
+        tables = [list(item.block_ids) + [0] * (max_blocks - len(item.block_ids))
+                  for item in batch.requests]
+        block_tables = torch.tensor(tables, dtype=torch.int32)  # [num_seqs, max_blocks]
+        pos = torch.tensor(positions, dtype=torch.long)
+        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)),
+                                            torch.tensor(query_lens))
+        slots = block_tables[seq_index, pos // bs].long() * bs + pos % bs  # [num_tokens]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            block_size=bs,
+            sliding_window=self.config.sliding_window,
+        )
+
+
+@torch.no_grad()
+def _init_dummy_weights(model: torch.nn.Module) -> None:
+    """vLLM's `load_format=dummy`: small seeded random weights (norms at 1), drawn on the
+    weights' own device, for measuring a model shape without its checkpoint."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+            continue
+        gen = generators.setdefault(param.device,
+                                    torch.Generator(device=param.device).manual_seed(0))
+        param.normal_(0.0, 0.02, generator=gen)

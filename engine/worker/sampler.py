@@ -1,0 +1,135 @@
+"""Turns logits into tokens: penalties, min_tokens bans, greedy or seeded random sampling,
+top-k / top-p / min-p, and logprobs of the raw model distribution (as vLLM's default)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.core.scheduler_output import ScheduledRequest, TokenLogprobs
+
+
+class Sampler:
+    """Owns per-request random generators; lives on the worker thread."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: frozenset[str]) -> None:
+        """Drops generators of finished requests."""
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
+               ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [num_rows, vocab] float32, one row per request that samples this step."""
+        raw_logprobs = self._raw_logprobs(logits, rows)
+        logits = self._apply_penalties_and_bans(logits, rows)
+        greedy = torch.tensor([r.sampling_params.greedy for r in rows], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            random_rows = (~greedy).nonzero().flatten().tolist()
+            tokens[random_rows] = self._sample_random(logits[random_rows],
+                                                      [rows[i] for i in random_rows])
+        token_list = tokens.tolist()
+        return token_list, self._gather_logprobs(raw_logprobs, token_list, rows)
+
+    def _raw_logprobs(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
+                      ) -> torch.Tensor | None:
+        if all(r.sampling_params.logprobs is None for r in rows):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    def _apply_penalties_and_bans(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
+                                  ) -> torch.Tensor:
+        special = [i for i, r in enumerate(rows)
+                   if r.sampling_params.needs_penalties or r.banned_token_ids]
+        if not special:
+            return logits
+        logits = logits.clone()
+        for i in special:
+            apply_penalties(logits[i], rows[i])
+            if rows[i].banned_token_ids:
+                logits[i, list(rows[i].banned_token_ids)] = float("-inf")
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
+                       ) -> torch.Tensor:
+        temps = torch.tensor([r.sampling_params.temperature for r in rows],
+                             device=logits.device)
+        logits = logits / temps[:, None]
+        for i, r in enumerate(rows):
+            if r.sampling_params.needs_filtering:
+                filter_logits(logits[i], r.sampling_params.top_k, r.sampling_params.top_p,
+                              r.sampling_params.min_p)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
+        # seeded request draw its noise from its own generator whatever the batch holds.
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(rows):
+            noise[i].exponential_(generator=self._generator(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, row: ScheduledRequest) -> torch.Generator | None:
+        seed = row.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(row.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[row.request_id] = gen
+        return gen
+
+    def _gather_logprobs(self, logprobs: torch.Tensor | None, tokens: list[int],
+                         rows: Sequence[ScheduledRequest]) -> list[TokenLogprobs | None]:
+        result: list[TokenLogprobs | None] = [None] * len(rows)
+        if logprobs is None:
+            return result
+        for i, row in enumerate(rows):
+            num_top = row.sampling_params.logprobs
+            if num_top is None:
+                continue
+            chosen = float(logprobs[i, tokens[i]])
+            rank = int((logprobs[i] > chosen).sum()) + 1
+            top: list[tuple[int, float]] = []
+            if num_top > 0:
+                values, ids = logprobs[i].topk(num_top)
+                top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            result[i] = (chosen, top, rank)
+        return result
+
+
+def apply_penalties(logits: torch.Tensor, row: ScheduledRequest) -> None:
+    """Repetition (prompt + output, transformers' rule), frequency and presence (output only)."""
+    params = row.sampling_params
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                            dtype=torch.long, device=logits.device)
+        if seen.numel():
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty,
+                                       picked * params.repetition_penalty)
+    if row.output_token_ids and (params.frequency_penalty or params.presence_penalty):
+        ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]].float()
+        logits -= params.frequency_penalty * counts
+        logits -= params.presence_penalty * (counts > 0).float()
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> None:
+    """Masks, in place, tokens outside top-k, the top-p nucleus or below min_p x max prob."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k).values[-1]
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits.masked_fill_(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Keep a token while the mass before it is below top_p (the first is always kept).
+        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        logits[order[drop]] = float("-inf")
