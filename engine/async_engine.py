@@ -1,9 +1,10 @@
 """The async front of the engine: one step-loop task on the event loop drives the LLMEngine.
 
 Each iteration schedules a batch (event-loop thread), awaits the worker thread running the
-model, applies the result, and pushes per-step deltas into each request's stream. HTTP keeps
-being served while the worker computes. Aborts that arrive mid-step are applied right after
-the step, so a step never finishes into blocks that were already handed to someone else.
+model, and applies the result; the output processor pushes each request's delta into its
+stream. HTTP keeps being served while the worker computes. Aborts that arrive mid-step are
+applied right after the step, so a step never finishes into blocks that were already handed to
+someone else. This class is the server's `EngineClient`.
 """
 
 from __future__ import annotations
@@ -17,36 +18,27 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.config import EngineArgs
-from engine.core.request import Request
-from engine.core.scheduler_output import SchedulerOutput, StepResult
-from engine.llm_engine import LLMEngine, PromptInput
+from engine.engine_client import ModelInfo
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from engine.input_processor import Message, PromptInput
+from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics, StatsLogger, StepTimes
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kvserve")
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at --max-queue-len; the caller should retry later."""
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop stopped; no request can make progress."""
 
 
 class RequestStream:
     """One request's deltas, in step order. Iterate it; `cancel()` aborts the request."""
 
-    def __init__(self, request_id: str, engine: AsyncEngine, choices: list[Request]) -> None:
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
         self.request_id = request_id
-        self.choices = choices
+        self.num_prompt_tokens = 0
         self.finished = False
         self._engine = engine
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
-        self.arrival_time = time.monotonic()
-        self.last_token_times: list[float | None] = [None] * len(choices)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Queues one step's output (or the error that ends the stream)."""
@@ -83,12 +75,15 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str | None = None,
                  max_queue_len: int | None = None, stats_interval_s: float = 10.0) -> None:
         self.engine = engine
-        self.model_name = model_name or engine.source.name
+        info = engine.describe()
+        self.model_info = ModelInfo(engine.model_name(), info["root"], info["max_model_len"],
+                                    info["vocab_size"])
         self.max_queue_len = max_queue_len
-        self.metrics = EngineMetrics(engine, self.model_name)
+        self.model_name = model_name or self.model_info.name  # the name metrics are labelled with
+        self.metrics = EngineMetrics(engine.stats, info, self.model_name)
+        engine.output_processor.metrics = self.metrics
         self.step_times = StepTimes()
-        self.stats_logger = StatsLogger(engine, stats_interval_s, self.step_times)
-        self._streams: dict[str, RequestStream] = {}
+        self.stats_logger = StatsLogger(engine.stats, stats_interval_s, self.step_times)
         self._pending_aborts: list[str] = []
         self._step_in_flight = False
         self._wake = asyncio.Event()
@@ -124,30 +119,48 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         """Requests waiting or running."""
-        return len(self._streams)
+        return self.engine.output_processor.num_unfinished
 
     @property
     def is_dead(self) -> bool:
         """Whether the step loop crashed."""
         return self._dead is not None
 
-    # ---- requests -------------------------------------------------------------------------
+    # ---- the client interface -------------------------------------------------------------
+
+    def render_chat(self, messages: list[Message],
+                    add_generation_prompt: bool = True) -> dict[str, Any]:
+        """A conversation rendered with the model's chat template, as a prompt dict."""
+        return self.engine.input_processor.render_chat(messages, add_generation_prompt)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text."""
+        return self.engine.input_processor.encode(text, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int], param: str = "tokens") -> str:
+        """Text of token ids (InvalidRequestError naming `param` for ids outside the vocab)."""
+        return self.engine.input_processor.decode(token_ids, param)
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus exposition of this engine's metrics."""
+        return self.metrics.render()
 
     def add_request(self, prompt: PromptInput, params: SamplingParams,
                     request_id: str) -> RequestStream:
-        """Validates and queues a request; raises ValueError (bad input), QueueFullError or
-        EngineDeadError before anything is streamed."""
+        """Validates and queues a request whose outputs are per-step deltas; raises
+        InvalidRequestError, QueueFullError or EngineDeadError before anything is streamed."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self._dead}")
         if self.max_queue_len is not None and \
                 len(self.engine.scheduler.waiting) >= self.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests); "
                                  "retry later")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.add_request(request_id, prompt, params)
-        stream = RequestStream(request_id, self, self.engine.outputs.choices_of(request_id))
-        self._streams[request_id] = stream
+        if request_id in self.engine.output_processor:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
+        stream = RequestStream(request_id, self)
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        parent = self.engine.add_requests([(request_id, prompt, params)], stream)[0]
+        stream.num_prompt_tokens = len(parent.prompt_token_ids)
         self._wake.set()
         return stream
 
@@ -167,20 +180,15 @@ class AsyncEngine:
         if self._step_in_flight:
             self._pending_aborts.append(request_id)
         else:
-            self._abort_now(request_id)
+            self.engine.abort_request(request_id)
 
     def abort_all(self, reason: str) -> None:
         """Ends every unfinished request's stream with EngineDeadError(reason) and aborts it
         (a drain that ran out of time): consumers see the error instead of a cut connection."""
-        for stream in list(self._streams.values()):
+        for stream in self.engine.output_processor.streams():
             stream.put(EngineDeadError(reason))
-            stream.cancel()
-
-    def _abort_now(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        self.engine.abort_request(request_id)
-        if stream is not None:
-            self.metrics.request_finished("abort")
+            if isinstance(stream, RequestStream):
+                stream.cancel()
 
     # ---- the step loop --------------------------------------------------------------------
 
@@ -199,12 +207,11 @@ class AsyncEngine:
         except BaseException as exc:  # a bug in scheduling or bookkeeping: fail loudly, once
             logger.exception("the engine step loop crashed")
             self._dead = exc
-            for stream in list(self._streams.values()):
+            for stream in self.engine.output_processor.drop_all():
                 stream.put(EngineDeadError(f"the engine stopped after an internal error: {exc}"))
-            self._streams.clear()
 
     async def _step(self) -> None:
-        engine, times = self.engine, self.step_times
+        engine = self.engine
         started = time.perf_counter()
         batch = engine.schedule()
         if not batch.requests:
@@ -213,63 +220,19 @@ class AsyncEngine:
         self.metrics.iteration_tokens.observe(batch.num_tokens)
         self._step_in_flight = True
         scheduled = time.perf_counter()
-        loop = asyncio.get_running_loop()
         try:
-            result, forward_s = await loop.run_in_executor(engine.worker, _timed_execute,
-                                                           engine, batch)
+            result, forward_s = await asyncio.wrap_future(engine.worker.submit(batch))
             returned = time.perf_counter()
-            outputs = engine.apply(batch, result)
+            engine.apply(batch, result)
         except Exception:
             logger.exception("a model step failed; its requests end with finish_reason=error")
-            outputs, forward_s, returned = engine.fail(batch), 0.0, time.perf_counter()
+            forward_s, returned = 0.0, time.perf_counter()
+            engine.fail(batch)
         finally:
             self._step_in_flight = False
         self.num_steps += 1
-        self._route(outputs, time.monotonic())
         pending, self._pending_aborts = self._pending_aborts, []
         for request_id in pending:
-            self._abort_now(request_id)
-        times.add(scheduled - started, forward_s, returned - scheduled - forward_s,
-                  time.perf_counter() - returned)
-
-    def _route(self, outputs: list[RequestOutput], now: float) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # aborted; nobody listens
-            self._observe(stream, output, now)
-            stream.put(_snapshot(output))
-            if output.finished:
-                del self._streams[output.request_id]
-
-    def _observe(self, stream: RequestStream, output: RequestOutput, now: float) -> None:
-        metrics = self.metrics
-        for choice in output.outputs:
-            if not choice.delta_token_ids:
-                continue
-            last = stream.last_token_times[choice.index]
-            if last is None:
-                metrics.ttft.observe(now - stream.arrival_time)
-            else:
-                metrics.itl.observe(now - last)
-            stream.last_token_times[choice.index] = now
-        if output.finished:
-            metrics.e2e.observe(now - stream.arrival_time)
-            scheduled = stream.choices[0].first_scheduled_time if stream.choices else None
-            if scheduled is not None:
-                metrics.queue_time.observe(max(0.0, scheduled - stream.choices[0].arrival_time))
-            metrics.request_finished(output.outputs[0].finish_reason or "stop")
-
-
-def _timed_execute(engine: LLMEngine, batch: SchedulerOutput) -> tuple[StepResult, float]:
-    """Runs on the worker thread: the step and how long the model itself took."""
-    started = time.perf_counter()
-    result = engine.execute(batch)
-    return result, time.perf_counter() - started
-
-
-def _snapshot(output: RequestOutput) -> RequestOutput:
-    """A copy whose per-step fields stay put while the engine moves on. Token id lists are
-    replaced, never mutated, each step, and logprob lists only grow, so a shallow copy is
-    enough: a consumer that lags a few steps still sees each step's own delta."""
-    return dataclasses.replace(output, outputs=[dataclasses.replace(c) for c in output.outputs])
+            engine.abort_request(request_id)
+        self.step_times.add(scheduled - started, forward_s, returned - scheduled - forward_s,
+                            time.perf_counter() - returned)

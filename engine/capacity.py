@@ -23,6 +23,7 @@ from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, ModelConfig
 
 GiB = 1024**3
 MEMINFO_PATH = Path("/proc/meminfo")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # On CPU the KV cache never takes more than this share of the RAM that is free right now, so the
 # OS, the tokenizer and the HTTP server keep room even when DEFAULT_CPU_KV_CACHE_BYTES is larger.
 CPU_MAX_AVAILABLE_RAM_FRACTION = 0.5
@@ -201,6 +202,15 @@ def plan_kv_cache(model_config: ModelConfig, args: EngineArgs, device: torch.dev
         available = min(available, args.max_num_seqs * per_request * bytes_per_token)
     return make_kv_cache_plan(model_config, args.kv_cache_dtype, model_dtype, args.block_size,
                               available)
+
+
+def resolve_max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
+    """The per-step token budget: --max-num-batched-tokens, else 2048, raised to max_model_len
+    (up to 8192) so a long prompt needs fewer chunks. `serve` sizes its activation peak and
+    `plan` its activation reserve from this one value."""
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, min(max_model_len, 8192))
 
 
 def resolve_max_model_len(model_config: ModelConfig, args: EngineArgs) -> int:

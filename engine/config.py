@@ -6,8 +6,10 @@ nothing reads environment variables to change behaviour.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,28 +114,54 @@ class ModelConfig:
         return self.num_hidden_layers * layer + embed + h
 
 
+def _flag(default: Any, help: str, *, cli: bool = True, plan: bool = False,
+          choices: tuple[str, ...] | None = None) -> Any:
+    """One engine flag: its default and help, whether `serve`/`generate` (cli) and `plan` take
+    it, and its choices. The field's name and type annotation give the flag's name and type."""
+    return field(default=default, metadata={"help": help, "cli": cli, "plan": plan,
+                                            "choices": choices})
+
+
 @dataclass
 class EngineArgs:
-    """Every engine knob, spelled as vLLM spells its flags."""
+    """Every engine knob, spelled as vLLM spells its flags: the one table that the Python API,
+    `kvserve serve`, `generate` and `plan` read names, types, defaults and help from."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"
-    seed: int = 0
-    device: str = "auto"
-    num_threads: int | None = None
-    attention_backend: str = "auto"
-    enforce_eager: bool = False  # CUDA: no decode graphs
-    load_format: str = "auto"  # "dummy": random weights, for benchmarks of a shape only
-    extra: dict[str, Any] = field(default_factory=dict)
+    model: str | None = _flag(None, "HF checkpoint folder or .gguf file (default: the embedded "
+                              "SmolLM2-135M-Instruct)", cli=False)
+    tokenizer: str | None = _flag(None, "tokenizer folder (default: the model's)", cli=False)
+    dtype: str = _flag("auto", "auto|float32|bfloat16|float16 (default: auto = float32 on CPU, "
+                       "bfloat16 on CUDA)", plan=True)
+    max_model_len: int | None = _flag(None, "prompt + output token limit (default: the model's)",
+                                      plan=True)
+    max_num_seqs: int = _flag(256, "most requests running at once", plan=True)
+    max_num_batched_tokens: int | None = _flag(
+        None, "token budget per step (default: 2048, or max-model-len up to 8192 when larger)",
+        plan=True)
+    block_size: int = _flag(16, "tokens per KV block", plan=True)
+    gpu_memory_utilization: float = _flag(0.9, "share of GPU memory kvserve may use", plan=True)
+    kv_cache_memory_bytes: int | None = _flag(
+        None, "KV cache size in bytes; overrides the memory-based sizing (default: unset)")
+    enable_prefix_caching: bool = _flag(True, "reuse KV blocks of shared prefixes")
+    kv_cache_dtype: str = _flag("auto", "KV cache element type: auto (the model dtype), "
+                                "fp8_e4m3 (alias fp8) or fp8_e5m2; fp8 stores 1 byte per element",
+                                plan=True, choices=KV_CACHE_DTYPES)
+    seed: int = _flag(0, "random seed for unseeded sampling")
+    device: str = _flag("auto", "auto|cpu|cuda", cli=False)
+    num_threads: int | None = _flag(None, "torch CPU threads (default: torch's choice, usually "
+                                    "the cores)")
+    attention_backend: str = _flag("auto", "attention kernels: auto = triton on CUDA, torch on "
+                                   "CPU", choices=("auto", "triton", "torch"))
+    enforce_eager: bool = _flag(False, "CUDA: run decode steps eagerly instead of replaying "
+                                "captured CUDA graphs")
+    # "dummy": random weights, for benchmarks of a model shape without its checkpoint
+    load_format: str = _flag("auto", "auto|dummy", cli=False)
+
+    @classmethod
+    def flags(cls, command: str) -> list[dataclasses.Field[Any]]:
+        """The fields that are flags of `command` ("serve" and "generate", or "plan")."""
+        key = "plan" if command == "plan" else "cli"
+        return [f for f in dataclasses.fields(cls) if f.metadata.get(key)]
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
@@ -188,3 +216,28 @@ class EngineArgs:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Adds EngineArgs' flags for `command` ("serve", "generate" or "plan") to a parser: the
+    positional MODEL, then `--kebab-name` per field, typed by its annotation."""
+    model = dataclasses.fields(EngineArgs)[0]
+    parser.add_argument("model", nargs="?", default=None, help=model.metadata["help"])
+    hints = typing.get_type_hints(EngineArgs)
+    for f in EngineArgs.flags(command):
+        name = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
+            continue
+        base = next(a for a in typing.get_args(kind) if a is not type(None)) \
+            if typing.get_args(kind) else kind
+        parser.add_argument(name, type=base, default=f.default, help=f.metadata["help"],
+                            choices=f.metadata["choices"])
+
+
+def engine_args_from_flags(ns: argparse.Namespace, command: str) -> EngineArgs:
+    """EngineArgs from parsed flags of `command` (validated)."""
+    kwargs = {f.name: getattr(ns, f.name) for f in EngineArgs.flags(command)}
+    return EngineArgs.from_kwargs(ns.model, **kwargs)

@@ -9,11 +9,10 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine, PromptInput
+from engine.input_processor import Message, PromptInput
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-Message = dict[str, Any]
 
 
 class LLM:
@@ -39,9 +38,9 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params,
-                                                                      strict=True)]
-        return self._run(ids, use_tqdm)
+        parents = self.engine.add_requests([(None, p, sp) for p, sp in zip(
+            prompt_list, params, strict=True)])
+        return self._run([parent.request_id for parent in parents], use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -51,8 +50,8 @@ class LLM:
         conversations = ([messages] if messages and isinstance(messages[0], dict)
                          else messages)
         prompts: list[PromptInput] = [
-            self.engine.chat_prompt(cast(list[Message], conversation), add_generation_prompt,
-                                    chat_template)
+            self.engine.input_processor.render_chat(cast(list[Message], conversation),
+                                                   add_generation_prompt, chat_template)
             for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -62,18 +61,19 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(request_ids)
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
-        stats = engine.scheduler.stats
         start = time.perf_counter()
-        prompt0, gen0 = stats.num_prompt_tokens, stats.num_generation_tokens
+        before = engine.stats()
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished and out.request_id in order:
                     results[order[out.request_id]] = out
                     bar.update(1)
-            elapsed = max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"prefill {(stats.num_prompt_tokens - prompt0) / elapsed:.0f} "
-                                f"tok/s, decode {(stats.num_generation_tokens - gen0) / elapsed:.0f}"
-                                " tok/s", refresh=False)
+            if use_tqdm:
+                elapsed, now = max(time.perf_counter() - start, 1e-9), engine.stats()
+                prefill = (now.num_prompt_tokens - before.num_prompt_tokens) / elapsed
+                decode = (now.num_generation_tokens - before.num_generation_tokens) / elapsed
+                bar.set_postfix_str(f"prefill {prefill:.0f} tok/s, decode {decode:.0f} tok/s",
+                                    refresh=False)
         bar.close()
         return [r for r in results if r is not None]
 

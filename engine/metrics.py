@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from engine.llm_engine import EngineStats
+
+StatsSource = Callable[[], "EngineStats"]
 
 logger = logging.getLogger("kvserve")
 
@@ -36,28 +38,28 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 class _LiveCollector:
     """Reads the engine's own counters and gauges when Prometheus scrapes."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine = engine
+    def __init__(self, stats: StatsSource, cache_info: dict[str, Any], model_name: str) -> None:
+        self.stats = stats
+        self.cache_info = cache_info
         self.labels = {"model_name": model_name}
 
     def collect(self) -> Iterator[Metric]:
-        scheduler, kv = self.engine.scheduler, self.engine.kv
-        yield self._gauge("num_requests_running", "Requests being computed.",
-                          len(scheduler.running))
+        stats = self.stats()
+        yield self._gauge("num_requests_running", "Requests being computed.", stats.num_running)
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                          len(scheduler.waiting))
+                          stats.num_waiting)
         yield self._gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.",
-                          kv.usage())
+                          stats.kv_cache_usage)
         yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                            kv.stats.queries)
+                            stats.prefix_cache_queries)
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                            kv.stats.hits)
+                            stats.prefix_cache_hits)
         yield self._counter("num_preemptions", "Requests preempted (recomputed later).",
-                            scheduler.stats.num_preemptions)
+                            stats.num_preemptions)
         yield self._counter("prompt_tokens", "Prompt tokens computed (prefill).",
-                            scheduler.stats.num_prompt_tokens)
+                            stats.num_prompt_tokens)
         yield self._counter("generation_tokens", "Tokens generated.",
-                            scheduler.stats.num_generation_tokens)
+                            stats.num_generation_tokens)
         yield self._cache_config()
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -71,14 +73,14 @@ class _LiveCollector:
         return family
 
     def _cache_config(self) -> GaugeMetricFamily:
-        plan = self.engine.kv_cache_plan
+        info = self.cache_info
         labels = {
-            "block_size": str(self.engine.args.block_size),
-            "num_gpu_blocks": str(plan.num_blocks),
-            "num_kv_cache_tokens": str(plan.num_blocks * self.engine.args.block_size),
-            "max_concurrency": f"{plan.max_concurrency(self.engine.max_model_len):.2f}",
-            "cache_dtype": self.engine.args.kv_cache_dtype,
-            "enable_prefix_caching": str(self.engine.args.enable_prefix_caching),
+            "block_size": str(info["block_size"]),
+            "num_gpu_blocks": str(info["num_gpu_blocks"]),
+            "num_kv_cache_tokens": str(info["num_kv_cache_tokens"]),
+            "max_concurrency": f"{info['max_concurrency']:.2f}",
+            "cache_dtype": str(info["cache_dtype"]),
+            "enable_prefix_caching": str(info["enable_prefix_caching"]),
         }
         family = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache configuration.",
                                    labels=list(labels))
@@ -89,9 +91,9 @@ class _LiveCollector:
 class EngineMetrics:
     """The engine's Prometheus registry: live counters plus latency histograms."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, stats: StatsSource, cache_info: dict[str, Any], model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_LiveCollector(engine, model_name))  # type: ignore[arg-type]
+        self.registry.register(_LiveCollector(stats, cache_info, model_name))  # type: ignore[arg-type]
         labels = ["model_name"]
         reg = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
@@ -113,9 +115,18 @@ class EngineMetrics:
                                 ["model_name", "finished_reason"], registry=reg)
         self.model_name = model_name
 
-    def request_finished(self, finish_reason: str) -> None:
-        """Counts a finished request under its finish reason."""
-        self._success.labels(self.model_name, finish_reason).inc()
+    def observe_token(self, since_previous: float, first: bool) -> None:
+        """A choice's new token: time to first token, or the gap since its previous one."""
+        (self.ttft if first else self.itl).observe(since_previous)
+
+    def observe_finished(self, e2e: float | None, queue_time: float | None,
+                         reason: str) -> None:
+        """A finished request: its latencies (None when aborted) and its finish reason."""
+        if e2e is not None:
+            self.e2e.observe(e2e)
+        if queue_time is not None:
+            self.queue_time.observe(queue_time)
+        self._success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""
@@ -164,21 +175,23 @@ class _Snapshot:
     time: float
     prompt_tokens: int
     generation_tokens: int
+    stats: EngineStats
 
 
 class StatsLogger:
     """Logs vLLM's throughput/usage line at most once per interval, only while busy."""
 
-    def __init__(self, engine: LLMEngine, interval_s: float = 10.0,
+    def __init__(self, stats: StatsSource, interval_s: float = 10.0,
                  step_times: StepTimes | None = None) -> None:
-        self.engine = engine
+        self.stats = stats
         self.interval_s = interval_s
         self.step_times = step_times
         self._last = self._snapshot()
 
     def _snapshot(self) -> _Snapshot:
-        stats = self.engine.scheduler.stats
-        return _Snapshot(time.monotonic(), stats.num_prompt_tokens, stats.num_generation_tokens)
+        stats = self.stats()
+        return _Snapshot(time.monotonic(), stats.num_prompt_tokens, stats.num_generation_tokens,
+                         stats)
 
     def maybe_log(self) -> str | None:
         """Logs and returns the line when the interval has passed, else None."""
@@ -200,12 +213,12 @@ class StatsLogger:
 
     def format_line(self, now: _Snapshot, elapsed: float) -> str:
         """vLLM's periodic line."""
-        scheduler, kv = self.engine.scheduler, self.engine.kv
+        stats = now.stats
         prompt_tps = (now.prompt_tokens - self._last.prompt_tokens) / elapsed
         gen_tps = (now.generation_tokens - self._last.generation_tokens) / elapsed
         return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
                 f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
-                f"Running: {len(scheduler.running)} reqs, "
-                f"Waiting: {len(scheduler.waiting)} reqs, "
-                f"KV cache usage: {kv.usage() * 100:.1f}%, "
-                f"Prefix cache hit rate: {kv.stats.hit_rate * 100:.1f}%")
+                f"Running: {stats.num_running} reqs, "
+                f"Waiting: {stats.num_waiting} reqs, "
+                f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {stats.prefix_cache_hit_rate * 100:.1f}%")

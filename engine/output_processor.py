@@ -1,115 +1,199 @@
-"""Turns scheduler-side requests into caller-facing outputs: detokenizes, applies stop strings,
-groups the n choices of a request, and shapes logprobs."""
+"""Output processing: the one loop over a step's results.
+
+For every request that got a token it detokenizes (stop strings end the request here), names
+the logprobs' tokens once, records the latency metrics and builds the caller's output: each
+step's delta for streaming requests (RequestOutputKind.DELTA), or the whole output once the
+request ends (FINAL_ONLY). Outputs go to the request's stream when it has one. Runs on the
+event-loop thread, beside the scheduler.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from engine.core.parallel_sampling import ParentRequest
 from engine.core.request import Request
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import RequestOutputKind
+
+
+class OutputStream(Protocol):
+    """Where a streaming request's outputs go (the async engine's per-request queue)."""
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
+
+
+class RequestMetrics(Protocol):
+    """The latency observations the output processor makes (the Prometheus histograms)."""
+
+    def observe_token(self, since_previous: float, first: bool) -> None: ...
+
+    def observe_finished(self, e2e: float | None, queue_time: float | None,
+                         reason: str) -> None: ...
 
 
 @dataclass
-class RequestGroup:
-    """A user's request: its prompt and its n choices."""
+class _ChoiceState:
+    detokenizer: IncrementalDetokenizer
+    num_sent_tokens: int = 0  # output tokens already handed out (the next delta starts here)
+    last_token_time: float | None = None
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    choices: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    outputs: list[CompletionOutput] = field(default_factory=list)
 
-    @property
-    def finished(self) -> bool:
-        """Whether every choice is done."""
-        return all(o.finished for o in self.outputs)
+@dataclass
+class _RequestState:
+    parent: ParentRequest
+    choices: list[_ChoiceState]
+    stream: OutputStream | None
+    kind: RequestOutputKind
+    touched: set[int] = field(default_factory=set)  # choice indexes with news this step
 
 
 class OutputProcessor:
-    """Owns detokenizer state per request; runs on the event-loop thread."""
+    """Owns each live request's detokenizers, stream and output state."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, finish_stopped: Callable[[Request], None]) -> None:
         self.tokenizer = tokenizer
-        self.groups: dict[str, RequestGroup] = {}
-        self.group_of: dict[str, RequestGroup] = {}
+        self._finish_stopped = finish_stopped  # the scheduler ends a request a stop string hit
+        self.metrics: RequestMetrics | None = None
+        self._requests: dict[str, _RequestState] = {}
+        self._by_choice: dict[str, tuple[_RequestState, _ChoiceState]] = {}
 
-    def add_group(self, request_id: str, prompt: str | None, choices: list[Request]) -> None:
-        """Starts tracking a request's choices."""
-        prompt_ids = choices[0].prompt_token_ids
-        detoks = [IncrementalDetokenizer(self.tokenizer, prompt_ids, c.sampling_params)
-                  for c in choices]
-        group = RequestGroup(request_id, prompt, prompt_ids, choices, detoks,
-                             [CompletionOutput(index=i) for i in range(len(choices))])
-        self.groups[request_id] = group
-        for choice in choices:
-            self.group_of[choice.request_id] = group
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
 
-    def process_tokens(self, requests: list[Request]) -> list[tuple[Request, str]]:
-        """Detokenizes the newest token of each request; returns (request, stop string) hits."""
-        stops = []
-        for request in requests:
-            group = self.group_of.get(request.request_id)
-            if group is None:
-                continue
-            stop = group.detokenizers[request.choice_index].update(request.output_token_ids[-1])
-            if stop is not None:
-                stops.append((request, stop))
-        return stops
+    @property
+    def num_unfinished(self) -> int:
+        """User requests not yet finished."""
+        return len(self._requests)
 
-    def make_outputs(self, requests: list[Request]) -> list[RequestOutput]:
-        """One RequestOutput per group touched this step; finished groups are dropped."""
-        touched: dict[str, RequestGroup] = {}
-        for request in requests:
-            group = self.group_of.get(request.request_id)
-            if group is not None:
-                self._update_choice(group, request)
-                touched[group.request_id] = group
-        results = []
-        for group in touched.values():
-            results.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                                         group.outputs, group.finished,
-                                         max(group.choices[0].num_cached_tokens, 0)))
-            if group.finished:
-                self._drop(group)
-        return results
+    def streams(self) -> list[OutputStream]:
+        """The streams of every unfinished request."""
+        return [s.stream for s in self._requests.values() if s.stream is not None]
 
-    def _update_choice(self, group: RequestGroup, request: Request) -> None:
-        out = group.outputs[request.choice_index]
-        detok = group.detokenizers[request.choice_index]
-        num_old = len(out.token_ids)
-        out.delta_token_ids = request.output_token_ids[num_old:]
-        out.token_ids = list(request.output_token_ids)
-        out.finish_reason = request.finish_reason
-        out.stop_reason = request.stop_reason
-        out.delta_text = detok.take_delta(request.is_finished)
-        out.text = detok.text if request.is_finished else detok.text[:detok.num_emitted]
-        if request.sampling_params.logprobs is not None:
-            self._update_logprobs(out, request, num_old)
+    def drop_all(self) -> list[OutputStream]:
+        """Forgets every request (the step loop died); returns their streams to end."""
+        streams = self.streams()
+        self._requests.clear()
+        self._by_choice.clear()
+        return streams
 
-    def _update_logprobs(self, out: CompletionOutput, request: Request, num_old: int) -> None:
-        if out.logprobs is None:
-            out.logprobs, out.cumulative_logprob = [], 0.0
-        for pos in range(num_old, len(request.logprobs)):
-            chosen_lp, top, rank = request.logprobs[pos]
-            token = request.output_token_ids[pos]
-            entry = {tid: Logprob(lp, r + 1, self._token_text(tid))
-                     for r, (tid, lp) in enumerate(top)}
-            entry[token] = Logprob(chosen_lp, rank, self._token_text(token))
-            out.logprobs.append(entry)
-            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + chosen_lp
-
-    def _token_text(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))
-
-    def _drop(self, group: RequestGroup) -> None:
-        self.groups.pop(group.request_id, None)
-        for choice in group.choices:
-            self.group_of.pop(choice.request_id, None)
+    def add_request(self, parent: ParentRequest, stream: OutputStream | None = None) -> None:
+        """Starts tracking a user request and its choices."""
+        params = parent.choices[0].sampling_params
+        state = _RequestState(parent, [], stream, params.output_kind)
+        for choice in parent.choices:
+            detok = IncrementalDetokenizer(self.tokenizer, parent.prompt_token_ids,
+                                           choice.sampling_params)
+            state.choices.append(_ChoiceState(detok))
+            self._by_choice[choice.request_id] = (state, state.choices[-1])
+        self._requests[parent.request_id] = state
 
     def choices_of(self, request_id: str) -> list[Request]:
-        """The scheduler requests behind a user's request id."""
-        group = self.groups.get(request_id)
-        return list(group.choices) if group else []
+        """The scheduler requests behind a user request id."""
+        state = self._requests.get(request_id)
+        return list(state.parent.choices) if state else []
+
+    def process(self, requests: list[Request], now: float) -> list[RequestOutput]:
+        """Handles the requests that sampled a token this step; returns the outputs made."""
+        touched: dict[str, _RequestState] = {}
+        for request in requests:
+            entry = self._by_choice.get(request.request_id)
+            if entry is None:
+                continue
+            state, choice = entry
+            self._take_token(request, choice, state, now)
+            state.touched.add(request.choice_index)
+            touched[state.parent.request_id] = state
+        return [out for state in touched.values()
+                if (out := self._emit(state, now)) is not None]
+
+    def finish_without_token(self, requests: list[Request], now: float) -> list[RequestOutput]:
+        """Outputs for requests the scheduler ended without a new token (a failed step)."""
+        touched: dict[str, _RequestState] = {}
+        for request in requests:
+            entry = self._by_choice.get(request.request_id)
+            if entry is not None:
+                entry[0].touched.add(request.choice_index)
+                touched[entry[0].parent.request_id] = entry[0]
+        return [out for state in touched.values()
+                if (out := self._emit(state, now)) is not None]
+
+    def abort(self, request_id: str) -> bool:
+        """Forgets an aborted request (its stream was cancelled); whether it was live."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return False
+        self._drop(state)
+        if self.metrics is not None:
+            self.metrics.observe_finished(None, None, "abort")
+        return True
+
+    def _take_token(self, request: Request, choice: _ChoiceState, state: _RequestState,
+                    now: float) -> None:
+        stop = choice.detokenizer.update(request.output_token_ids[-1])
+        if stop is not None:
+            request.stop_reason = stop
+            self._finish_stopped(request)
+        if request.sampling_params.logprobs is not None:
+            for logprob_id, logprob in request.logprobs[-1].items():
+                logprob.decoded_token = str(self.tokenizer.decode([logprob_id]))
+        if self.metrics is not None:
+            last = choice.last_token_time
+            self.metrics.observe_token(now - (last if last is not None else
+                                              state.parent.arrival_time), last is None)
+        choice.last_token_time = now
+
+    def _emit(self, state: _RequestState, now: float) -> RequestOutput | None:
+        parent = state.parent
+        finished = parent.finished
+        if state.kind is RequestOutputKind.FINAL_ONLY and not finished:
+            state.touched.clear()
+            return None
+        indexes = sorted(state.touched) if state.kind is RequestOutputKind.DELTA else \
+            range(len(parent.choices))
+        outputs = [self._completion(parent.choices[i], state.choices[i], state.kind)
+                   for i in indexes]
+        state.touched.clear()
+        first = parent.choices[0]
+        if finished:
+            self._drop(state)
+            self._observe_finished(parent, now)
+        output = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                               outputs, finished, max(first.num_cached_tokens, 0))
+        if state.stream is not None:
+            state.stream.put(output)
+        return output
+
+    def _completion(self, request: Request, choice: _ChoiceState,
+                    kind: RequestOutputKind) -> CompletionOutput:
+        detok, wants_logprobs = choice.detokenizer, request.sampling_params.logprobs is not None
+        if kind is RequestOutputKind.FINAL_ONLY:
+            cumulative = sum(entry[token].logprob for entry, token in zip(
+                request.logprobs, request.output_token_ids, strict=True)) \
+                if wants_logprobs else None
+            return CompletionOutput(request.choice_index, detok.text,
+                                    list(request.output_token_ids), cumulative,
+                                    list(request.logprobs) if wants_logprobs else None,
+                                    request.finish_reason, request.stop_reason)
+        start, choice.num_sent_tokens = choice.num_sent_tokens, request.num_output_tokens
+        return CompletionOutput(request.choice_index, detok.take_delta(request.is_finished),
+                                request.output_token_ids[start:], None,
+                                request.logprobs[start:] if wants_logprobs else None,
+                                request.finish_reason, request.stop_reason)
+
+    def _observe_finished(self, parent: ParentRequest, now: float) -> None:
+        if self.metrics is None:
+            return
+        first = parent.choices[0]
+        scheduled = first.first_scheduled_time
+        queue = max(0.0, scheduled - parent.arrival_time) if scheduled is not None else None
+        self.metrics.observe_finished(now - parent.arrival_time, queue,
+                                      first.finish_reason or "stop")
+
+    def _drop(self, state: _RequestState) -> None:
+        self._requests.pop(state.parent.request_id, None)
+        for choice in state.parent.choices:
+            self._by_choice.pop(choice.request_id, None)

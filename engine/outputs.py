@@ -14,14 +14,17 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One dict per generated position: token id -> Logprob (the sampled token plus the top N).
-SampleLogprobs = list[dict[int, Logprob]]
+# One generated position: token id -> Logprob, the sampled token plus the top N. The sampler
+# builds it (decoded_token None), the output processor fills in the text once, and the same
+# objects reach the caller and the server's response builder.
+PositionLogprobs = dict[int, Logprob]
+SampleLogprobs = list[PositionLogprobs]
 
 
 @dataclass
 class CompletionOutput:
-    """One choice of a request. `text` and `token_ids` are cumulative; `delta_*` hold what this
-    step added (for streaming)."""
+    """One choice of a request. With RequestOutputKind.DELTA (streaming) `text`, `token_ids`
+    and `logprobs` hold only what this step added; with FINAL_ONLY they are the whole output."""
 
     index: int
     text: str = ""
@@ -30,8 +33,6 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -27,14 +27,14 @@ from engine.capacity import (
     make_kv_cache_plan,
     parse_bytes,
     resolve_max_model_len,
+    resolve_max_num_batched_tokens,
     triage_steps,
 )
-from engine.config import KV_CACHE_DTYPES, EngineArgs, ModelConfig
+from engine.config import EngineArgs, ModelConfig, add_engine_flags, engine_args_from_flags
 
 CANDIDATE_MODEL_LENS = (2048, 4096, 8192, 16384, 32768)
 # Tokens in the profiling forward pass when --max-num-batched-tokens is not given: vLLM V1's
 # default chunked-prefill budget for online serving.
-DEFAULT_PROFILE_TOKENS = 2048
 # Device memory outside torch's tensors: CUDA context, cuBLAS workspace, allocator slack.
 CUDA_OVERHEAD_BYTES = 512 * 1024**2
 # Bytes per vocab entry per sequence in the sampler: fp32 logits plus fp32 probabilities.
@@ -191,9 +191,9 @@ def build_plan(args: EngineArgs, memory_bytes: int,
     user_len = resolve_max_model_len(cfg, args) if args.max_model_len is not None else None
     dtype = args.resolved_dtype(PLAN_DEVICE)
     weight_bytes = cfg.num_params() * dtype.itemsize
-    activation = estimate_activation_reserve(
-        cfg, dtype.itemsize, args.max_num_batched_tokens or DEFAULT_PROFILE_TOKENS,
-        args.max_num_seqs)
+    # The same step budget `serve` would use for these flags (and so the same activation peak).
+    step_tokens = resolve_max_num_batched_tokens(args, user_len or cfg.max_position_embeddings)
+    activation = estimate_activation_reserve(cfg, dtype.itemsize, step_tokens, args.max_num_seqs)
     available = (int(memory_bytes * args.gpu_memory_utilization) - weight_bytes
                  - activation.total_bytes)
     plan = make_kv_cache_plan(cfg, args.kv_cache_dtype, dtype, args.block_size, available)
@@ -303,20 +303,10 @@ def _memory_arg(text: str) -> int:
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `kvserve plan`."""
-    parser.add_argument("model", nargs="?", default=None,
-                        help="HF model folder or .gguf file (default: the embedded SmolLM2)")
+    """The flags of `kvserve plan`: the engine flags that shape the cache, plus --memory."""
+    add_engine_flags(parser, "plan")
     parser.add_argument("--memory", type=_memory_arg, default=None,
                         help="GPU memory, e.g. 24GiB or 24GB (default: this machine's GPU)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    parser.add_argument("--dtype", default="auto", help="auto = bfloat16 on a GPU")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help=f"tokens per step, for the activation reserve "
-                             f"(default {DEFAULT_PROFILE_TOKENS})")
 
 
 def _resolve_memory(memory: int | None) -> int:
@@ -331,11 +321,7 @@ def _resolve_memory(memory: int | None) -> int:
 def run_plan(ns: argparse.Namespace) -> int:
     """Prints the plan; 0 when a recommendation exists, 1 when nothing fits, 2 on bad input."""
     try:
-        args = EngineArgs(model=ns.model, dtype=ns.dtype, max_model_len=ns.max_model_len,
-                          kv_cache_dtype=ns.kv_cache_dtype, block_size=ns.block_size,
-                          gpu_memory_utilization=ns.gpu_memory_utilization,
-                          max_num_seqs=ns.max_num_seqs,
-                          max_num_batched_tokens=ns.max_num_batched_tokens)
+        args = engine_args_from_flags(ns, "plan")
         report = build_plan(args, _resolve_memory(ns.memory))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequestError
+
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs carry, as vLLM's: DELTA streams each step's new tokens and text
+    (the server); FINAL_ONLY hands out one cumulative output when the request ends (`LLM`)."""
+
+    DELTA = enum.auto()
+    FINAL_ONLY = enum.auto()
 
 
 @dataclass
@@ -27,9 +38,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,38 +53,38 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises ValueError naming the parameter and the accepted range."""
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}", "n")
         _check(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**63),
-               f"seed must be a 64-bit integer, got {self.seed}")
+               f"seed must be a 64-bit integer, got {self.seed}", "seed")
         _check(_finite(self.temperature) and self.temperature >= 0,
-               f"temperature must be >= 0, got {self.temperature}")
+               f"temperature must be >= 0, got {self.temperature}", "temperature")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1,
-               f"top_p must be in (0, 1], got {self.top_p}")
+               f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-               f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+               f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1,
-               f"min_p must be in [0, 1], got {self.min_p}")
+               f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+            _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}", name)
         _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
         if self.max_tokens is not None:
             _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                   f"max_tokens must be at least 1, got {self.max_tokens}")
+                   f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-               f"min_tokens must be >= 0, got {self.min_tokens}")
+               f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens,
-                   f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
-                   f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+                   f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+                   "min_tokens")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
         _check(all(isinstance(s, str) and s for s in self.stop),
-               "stop must be a list of non-empty strings")
+               "stop must be a list of non-empty strings", "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be non-negative integers")
+               "stop_token_ids must be non-negative integers", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +107,6 @@ def _finite(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, param: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise InvalidRequestError(message, param)

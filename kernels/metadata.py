@@ -23,7 +23,6 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     block_size: int
     sliding_window: int | None = None
-    has_padding: bool = False
     _torch_plan: TorchPlan | None = field(default=None, repr=False)
 
     @property

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
+from engine.engine_client import EngineClient
 from server import routes, websocket
 from server.errors import APIError, Handler, error_middleware
 from server.generation import ServedModel
@@ -83,7 +84,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text format."""
-    body = request.app[ENGINE].metrics.render()
+    body = request.app[ENGINE].metrics_text()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -110,16 +111,16 @@ async def tokenize(request: web.Request) -> web.Response:
     """POST /tokenize: a prompt or chat messages to token ids."""
     body = decode(TokenizeRequest, await request.read())
     request.app[MODEL].check(body.model)
-    engine = request.app[ENGINE].engine
+    engine = request.app[ENGINE]
     if body.messages is not None:
         add_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
-        ids = engine.chat_prompt(chat_messages(body.messages), add_prompt)["prompt_token_ids"]
+        ids = engine.render_chat(chat_messages(body.messages), add_prompt)["prompt_token_ids"]
     elif body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = list(engine.tokenizer.encode(body.prompt, add_special_tokens=add_special))
+        ids = engine.tokenize(body.prompt, add_special)
     else:
         raise APIError(400, "give either prompt or messages", param="prompt")
-    return json_response({"count": len(ids), "max_model_len": engine.max_model_len,
+    return json_response({"count": len(ids), "max_model_len": engine.model_info.max_model_len,
                           "tokens": ids})
 
 
@@ -127,13 +128,7 @@ async def detokenize(request: web.Request) -> web.Response:
     """POST /detokenize: token ids to text."""
     body = decode(DetokenizeRequest, await request.read())
     request.app[MODEL].check(body.model)
-    engine = request.app[ENGINE].engine
-    vocab = engine.model_config.vocab_size
-    bad = [t for t in body.tokens if t >= vocab]
-    if bad:
-        raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                       param="tokens")
-    return json_response({"prompt": engine.tokenizer.decode(body.tokens)})
+    return json_response({"prompt": request.app[ENGINE].detokenize(body.tokens, "tokens")})
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -141,7 +136,7 @@ async def openapi_json(request: web.Request) -> web.Response:
     return web.Response(body=openapi_document(), content_type="application/json")
 
 
-EngineFactory = Callable[[], AsyncEngine]
+EngineFactory = Callable[[], EngineClient]
 
 
 def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
@@ -180,8 +175,9 @@ def _engine_context(factory: EngineFactory) -> Callable[[web.Application], Async
         engine = factory()
         engine.start()
         app[ENGINE] = engine
-        app[MODEL] = ServedModel(app[CONFIG].served_model_names or [engine.model_name],
-                                 str(engine.engine.source.path), engine.engine.max_model_len)
+        info = engine.model_info
+        app[MODEL] = ServedModel(app[CONFIG].served_model_names or [info.name], info.root,
+                                 info.max_model_len)
         yield
         await engine.stop()
 

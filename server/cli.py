@@ -8,63 +8,17 @@ import logging
 import sys
 import time
 
-from engine.config import EngineArgs
+from engine.config import EngineArgs, add_engine_flags, engine_args_from_flags
 from engine.planner import add_plan_arguments, run_plan
 from server.config import add_server_arguments, server_config
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, spelled and defaulted as vLLM's."""
-    parser.add_argument("model", nargs="?", default=None,
-                        help="HF checkpoint folder or .gguf file (default: the embedded "
-                             "SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto|float32|bfloat16|float16 (default: auto = float32 on CPU, "
-                             "bfloat16 on CUDA)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="prompt + output token limit (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=256,
-                        help="most requests running at once (default: 256)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="token budget per step (default: 2048, or max-model-len up to "
-                             "8192 when larger)")
-    parser.add_argument("--block-size", type=int, default=16,
-                        help="tokens per KV block (default: 16)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of GPU memory kvserve may use (default: 0.9)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                        help="KV cache size in bytes; overrides the memory-based sizing "
-                             "(default: unset)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse KV blocks of shared prefixes (default: on)")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="KV cache element type: auto (the model dtype), fp8_e4m3 (alias "
-                             "fp8) or fp8_e5m2; fp8 stores 1 byte per element (default: auto)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
-                        help="attention kernels: auto = triton on CUDA, torch on CPU "
-                             "(default: auto)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="CUDA: run decode steps eagerly instead of replaying captured "
-                             "CUDA graphs (default: graphs on with the Triton backend)")
-    parser.add_argument("--num-threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice, usually the cores)")
-
-
-def engine_kwargs(ns: argparse.Namespace) -> dict[str, object]:
-    """EngineArgs keyword arguments from parsed flags."""
-    names = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-             "gpu_memory_utilization", "kv_cache_memory_bytes", "enable_prefix_caching",
-             "kv_cache_dtype", "seed", "num_threads", "enforce_eager",
-             "attention_backend")
-    return {name: getattr(ns, name) for name in names}
 
 
 def run_generate(ns: argparse.Namespace) -> int:
     """Offline generation of one chat turn or prompt, printed with its throughput."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(ns.model, **engine_kwargs(ns))
+    args = engine_args_from_flags(ns, "generate")
+    llm = LLM(args.model, **{f.name: getattr(args, f.name) for f in EngineArgs.flags("generate")})
     params = SamplingParams(temperature=ns.temperature, max_tokens=ns.max_tokens, seed=ns.seed)
     started = time.perf_counter()
     if ns.raw:
@@ -100,14 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP API",
                            parents=[common], formatter_class=_DefaultsFormatter)
-    add_engine_arguments(serve)
+    add_engine_flags(serve, "serve")
     add_server_arguments(serve)
     plan = sub.add_parser("plan", help="KV cache capacity plan from a model's config alone",
-                          parents=[common])
+                          parents=[common], formatter_class=_DefaultsFormatter)
     add_plan_arguments(plan)
     gen = sub.add_parser("generate", help="generate offline from one prompt", parents=[common],
                          formatter_class=_DefaultsFormatter)
-    add_engine_arguments(gen)
+    add_engine_flags(gen, "generate")
     gen.add_argument("--prompt", default="What is a KV cache, in two sentences?")
     gen.add_argument("--raw", action="store_true", help="send the prompt without chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -126,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "serve":
             from server.serve import run_serve
 
-            return run_serve(server_config(ns), EngineArgs.from_kwargs(ns.model, **engine_kwargs(ns)))
+            return run_serve(server_config(ns), engine_args_from_flags(ns, "serve"))
         return run_generate(ns)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,8 +12,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from engine.async_engine import EngineDeadError, QueueFullError
-from server.protocol import KNOWN_PARAMS
+from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 
 logger = logging.getLogger("kvserve.server")
 
@@ -83,9 +82,8 @@ def from_exception(exc: BaseException) -> APIError:
         return invalid_json(exc, "the request body")
     if isinstance(exc, RecursionError):  # a safety net: decode() reports deep nesting itself
         return bad_request("the request is nested too deeply")
-    if isinstance(exc, ValueError):
-        first_word = str(exc).split(" ", 1)[0]
-        return bad_request(str(exc), first_word if first_word in KNOWN_PARAMS else None)
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -93,6 +91,7 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, web.HTTPException):
         return _from_http_exception(exc)
+    # Anything else is a bug (an internal invariant failed), never the client's fault.
     logger.exception("unexpected error while handling a request", exc_info=exc)
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}",
                     code="internal_error")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from engine.async_engine import AsyncEngine, RequestStream
-from engine.llm_engine import PromptInput
+from engine.engine_client import EngineClient, RequestHandle
+from engine.input_processor import PromptInput
 from engine.outputs import RequestOutput
 from server.errors import APIError
 from server.protocol import (
@@ -50,7 +50,7 @@ class ServedModel:
 class Call:
     """A validated API call: its streams (one per prompt) and its response builder."""
 
-    def __init__(self, builder: ResponseBuilder, streams: list[RequestStream],
+    def __init__(self, builder: ResponseBuilder, streams: list[RequestHandle],
                  stream: bool) -> None:
         self.builder = builder
         self.streams = streams
@@ -106,7 +106,7 @@ class Call:
                 task.cancel()
 
 
-async def _pump(index: int, stream: RequestStream,
+async def _pump(index: int, stream: RequestHandle,
                 queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]]) -> None:
     try:
         async for output in stream:
@@ -122,7 +122,7 @@ def _raise_if_failed(output: RequestOutput) -> None:
                        code="internal_error")
 
 
-def start_completion(engine: AsyncEngine, model: ServedModel, req: CompletionRequest) -> Call:
+def start_completion(engine: EngineClient, model: ServedModel, req: CompletionRequest) -> Call:
     """Validates a completions request and queues its prompts."""
     model.check(req.model)
     if req.echo and req.logprobs is not None:
@@ -136,11 +136,11 @@ def start_completion(engine: AsyncEngine, model: ServedModel, req: CompletionReq
     return _start(engine, spec, prompts, params, req)
 
 
-def start_chat(engine: AsyncEngine, model: ServedModel, req: ChatCompletionRequest) -> Call:
+def start_chat(engine: EngineClient, model: ServedModel, req: ChatCompletionRequest) -> Call:
     """Validates a chat request, applies the chat template and queues it."""
     model.check(req.model)
     add_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-    prompt = engine.engine.chat_prompt(chat_messages(req.messages), add_prompt)
+    prompt = engine.render_chat(chat_messages(req.messages), add_prompt)
     top = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -151,24 +151,35 @@ def start_chat(engine: AsyncEngine, model: ServedModel, req: ChatCompletionReque
     return _start(engine, spec, [prompt], params, req)
 
 
-def _start(engine: AsyncEngine, spec: CallSpec, prompts: list[PromptInput], params: Any,
+def _start(engine: EngineClient, spec: CallSpec, prompts: list[PromptInput], params: Any,
            req: CompletionRequest | ChatCompletionRequest) -> Call:
-    streams: list[RequestStream] = []
+    streams: list[RequestHandle] = []
     try:
         for i, prompt in enumerate(prompts):
-            streams.append(engine.add_request(prompt, params, f"{spec.response_id}-{i}"))
+            streams.append(engine.add_request(_salted(prompt, req.cache_salt), params,
+                                              f"{spec.response_id}-{i}"))
     except BaseException:
         for stream in streams:  # a later prompt was bad: drop the ones already queued
             stream.cancel()
         raise
     builder = ResponseBuilder(spec, len(prompts))
     # Known before any output, so the first chunk's continuous usage counts the prompt.
-    builder.prompt_tokens = [s.choices[0].num_prompt_tokens for s in streams]
+    builder.prompt_tokens = [s.num_prompt_tokens for s in streams]
     return Call(builder, streams, bool(req.stream))
 
 
-def _prompt_text(engine: AsyncEngine, prompt: PromptInput) -> str:
+def _salted(prompt: PromptInput, cache_salt: str | None) -> PromptInput:
+    """The prompt as a dict carrying the request's cache_salt, when it has one."""
+    if cache_salt is None:
+        return prompt
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": cache_salt}
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "cache_salt": cache_salt}
+
+
+def _prompt_text(engine: EngineClient, prompt: PromptInput) -> str:
     if isinstance(prompt, str):
         return prompt
-    # echo decodes the ids before the engine sees them: check them first (400, not a crash)
-    return str(engine.engine.tokenizer.decode(engine.engine.check_token_ids(list(prompt))))
+    # echo decodes the ids before the engine queues them: detokenize checks them (a 400)
+    return engine.detokenize(list(cast(list[int], prompt)), "prompt")

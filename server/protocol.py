@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("kvserve.server")
@@ -84,6 +85,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: only requests with the same salt share prefix-cache blocks (tenant isolation).
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -157,11 +160,13 @@ _DECODERS = {kind: _decoders(kind) for kind in
              (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)}
 # Reads only the top-level keys (values stay raw bytes) to name ignored fields in the log.
 _KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+# Every field name any request body understands.
 KNOWN_PARAMS = frozenset().union(*(fields for _, fields in _DECODERS.values()))
 
 
 def decode(kind: type[Any], body: bytes) -> Any:
-    """Decodes and validates a request body; raises msgspec errors or ValueError (all 400)."""
+    """Decodes and validates a request body; raises msgspec errors or InvalidRequestError
+    (all 400)."""
     decoder, fields = _DECODERS[kind]
     try:
         request = decoder.decode(body)
@@ -223,15 +228,15 @@ def _explain(exc: msgspec.DecodeError, body: bytes) -> str:
 
 
 def check_limits(request: Any) -> None:
-    """Caps that span fields, which Meta constraints cannot express; ValueError names the
-    field first, so the error's param is set."""
+    """Caps that span fields, which Meta constraints cannot express."""
     if isinstance(request, CompletionRequest) and isinstance(request.prompt, list):
         prompts = len(request.prompt) if request.prompt and all(
             isinstance(p, (str, list)) for p in request.prompt) else 1
         choices = prompts * (request.n or 1)
         if choices > MAX_CHOICES:
-            raise ValueError(f"prompt holds {prompts} prompts and n is {request.n or 1}: "
-                             f"{choices} choices exceed the cap of {MAX_CHOICES} per request")
+            raise InvalidRequestError(
+                f"prompt holds {prompts} prompts and n is {request.n or 1}: {choices} choices "
+                f"exceed the cap of {MAX_CHOICES} per request", "prompt")
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
@@ -258,21 +263,21 @@ def completion_prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [_non_empty(prompt)]
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError("prompt must be a non-empty string, list of strings, list of token "
-                         "ids or list of token-id lists")
+        raise InvalidRequestError("prompt must be a non-empty string, list of strings, list of "
+                                  "token ids or list of token-id lists", "prompt")
     if all(isinstance(p, str) for p in prompt):
         return [_non_empty(p) for p in prompt]
     if all(_is_token_id(t) for t in prompt):
         return [list(prompt)]
     if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
         return [list(p) for p in prompt]
-    raise ValueError("prompt must be a string, a list of strings, a list of token ids or a "
-                     "list of non-empty token-id lists (not a mix)")
+    raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids "
+                              "or a list of non-empty token-id lists (not a mix)", "prompt")
 
 
 def _non_empty(text: str) -> str:
     if not text:
-        raise ValueError("prompt is empty; give at least one token of text")
+        raise InvalidRequestError("prompt is empty; give at least one token of text", "prompt")
     return text
 
 
@@ -283,7 +288,7 @@ def _is_token_id(value: Any) -> bool:
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages as the chat template expects them: content flattened to text."""
     if not messages:
-        raise ValueError("messages must contain at least one message")
+        raise InvalidRequestError("messages must contain at least one message", "messages")
     return [{"role": m.role, "content": _message_text(m)} for m in messages]
 
 
@@ -293,7 +298,7 @@ def _message_text(message: ChatMessage) -> str:
     texts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
-            raise ValueError(f"messages content part of type {part.type!r} is not supported; "
-                             "only text parts are")
+            raise InvalidRequestError(f"messages content part of type {part.type!r} is not "
+                                      "supported; only text parts are", "messages")
         texts.append(part.text)
     return "\n".join(texts)

@@ -51,7 +51,7 @@ class ChoiceState:
 
 
 class ResponseBuilder:
-    """Turns (prompt index, RequestOutput) deltas into OpenAI chunks and a final body."""
+    """Turns (prompt index, RequestOutput delta) pairs into OpenAI chunks and a final body."""
 
     def __init__(self, spec: CallSpec, num_prompts: int) -> None:
         self.spec = spec
@@ -75,28 +75,26 @@ class ResponseBuilder:
                        prompt_index: int) -> dict[str, Any] | None:
         if state.done:
             return None
-        text = out.delta_text
+        text = out.text  # this step's delta (the engine streams deltas only)
         if not state.started and self.spec.echo_texts is not None:
             text = self.spec.echo_texts[prompt_index] + text
         first = not state.started
         state.started = True
         state.texts.append(text)
-        num_new = len(out.delta_token_ids)
-        state.num_tokens = len(out.token_ids)
-        new_logprobs = self._logprobs(state, out, num_new)
+        state.num_tokens += len(out.token_ids)
+        new_logprobs = self._logprobs(state, out)
         state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
         state.done = out.finish_reason is not None
-        if not text and not num_new and not state.done and not first:
+        if not text and not out.token_ids and not state.done and not first:
             return None
         return self._choice_delta(state, text, new_logprobs)
 
-    def _logprobs(self, state: ChoiceState, out: CompletionOutput,
-                  num_new: int) -> list[dict[str, Any]] | None:
+    def _logprobs(self, state: ChoiceState,
+                  out: CompletionOutput) -> list[dict[str, Any]] | None:
         if self.spec.top_logprobs is None or out.logprobs is None:
             return None
-        start = len(out.token_ids) - num_new
-        entries = [self._logprob_entry(state, out.token_ids[i], out.logprobs[i])
-                   for i in range(start, len(out.token_ids))]
+        entries = [self._logprob_entry(state, token_id, table)
+                   for token_id, table in zip(out.token_ids, out.logprobs, strict=True)]
         state.logprobs.extend(entries)
         return entries
 

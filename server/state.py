@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from server.config import ServerConfig
 from server.generation import ServedModel
 
@@ -21,6 +21,6 @@ class ServerState:
 
 
 CONFIG = web.AppKey("config", ServerConfig)
-ENGINE = web.AppKey("engine", AsyncEngine)
+ENGINE = web.AppKey("engine", EngineClient)
 MODEL = web.AppKey("model", ServedModel)
 STATE = web.AppKey("state", ServerState)

@@ -23,7 +23,7 @@ import msgspec
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from engine.async_engine import AsyncEngine
+from engine.engine_client import EngineClient
 from server.errors import APIError, bad_request, from_exception, invalid_json
 from server.generation import Call, ServedModel, start_chat, start_completion
 from server.protocol import ChatCompletionRequest, CompletionRequest, convert, parse_message
@@ -38,7 +38,7 @@ MAX_ID_LENGTH = 256  # an id is echoed in every message of its request
 class WebSocketSession:
     """One socket: its running requests by client id and a single writer task."""
 
-    def __init__(self, ws: web.WebSocketResponse, engine: AsyncEngine,
+    def __init__(self, ws: web.WebSocketResponse, engine: EngineClient,
                  model: ServedModel, state: ServerState) -> None:
         self.ws = ws
         self.engine = engine

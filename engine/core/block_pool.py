@@ -1,24 +1,34 @@
 """The KV block pool: the one owner of every KV cache block.
 
 Free blocks wait in an LRU queue (a doubly linked list, so a block that gets a prefix-cache hit
-leaves the middle of the queue in O(1)). A full block may carry a chained hash (its parent's hash
-plus its own token ids); a freed block keeps that hash until the pool hands it out again
-(lazy eviction), so a later request with the same prefix can pick it back up.
+leaves the middle of the queue in O(1)). A full block may carry a chained hash (sha256 of its
+parent's hash and its own token ids); a freed block keeps that hash until the pool hands it out
+again (lazy eviction), so a later request with the same prefix can pick it back up.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 
-# (parent block's hash, this block's token ids): a tuple, so a dict lookup compares the token ids
-# themselves and two different blocks never share an entry through a hash collision.
-BlockHash = tuple[int, tuple[int, ...]]
-NO_PARENT = 0
+# A block's prefix-cache key: sha256 over its parent's key and its own token ids (and, for the
+# first block, the request's cache_salt). Chaining a cryptographic digest makes the key stand
+# for the whole prefix: no crafted prompt can collide with another request's blocks and read
+# its KV, which a non-cryptographic hash such as Python's hash() would allow.
+BlockHash = bytes
+ROOT_HASH = hashlib.sha256(b"kvserve prefix cache v1").digest()
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chains one full block's token ids onto its parent's hash."""
-    return (hash(parent) if parent is not None else NO_PARENT, tuple(token_ids))
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
+                      cache_salt: str | None = None) -> BlockHash:
+    """Chains one full block's token ids onto its parent's key (None for the first block)."""
+    digest = hashlib.sha256(parent if parent is not None else ROOT_HASH)
+    if cache_salt is not None:
+        salt = cache_salt.encode()
+        digest.update(len(salt).to_bytes(8, "little") + salt)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class KVCacheBlock:
@@ -149,12 +159,6 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"{block} freed more often than taken"
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
-
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached hash (blocks in use keep their data)."""
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached.clear()
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Removes a block's hash entry (its contents are not to be trusted)."""

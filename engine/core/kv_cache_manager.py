@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from engine.core.parallel_sampling import shared_prompt_blocks
 from engine.core.request import Request
 
 
@@ -18,11 +19,6 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Hit tokens over queried tokens."""
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -57,7 +53,9 @@ class KVCacheManager:
         Choices 2..n of one request share their sibling's prompt blocks even without caching.
         """
         max_blocks = (request.num_tokens - 1) // self.block_size
-        shared = self._sibling_blocks(request, max_blocks)
+        parent_blocks = self.req_blocks.get(request.parent.request_id, []) if request.parent \
+            else []
+        shared = shared_prompt_blocks(request, parent_blocks, self.block_size, max_blocks)
         if shared:
             return shared, len(shared) * self.block_size
         if not self.enable_caching:
@@ -146,13 +144,7 @@ class KVCacheManager:
         while len(hashes) < limit:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens[i * size:(i + 1) * size]))
+            salt = request.cache_salt if i == 0 else None
+            hashes.append(hash_block_tokens(parent, tokens[i * size:(i + 1) * size], salt))
         return hashes
 
-    def _sibling_blocks(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
-        parent = request.parent
-        if parent is None or parent.is_finished:
-            return []
-        num_prompt_blocks = min(request.num_prompt_tokens // self.block_size, max_blocks)
-        num_ready = min(parent.num_computed_tokens // self.block_size, num_prompt_blocks)
-        return list(self.req_blocks.get(parent.request_id, [])[:num_ready])

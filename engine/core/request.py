@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.outputs import SampleLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,8 @@ class Request:
     # For choice i > 0 of an n > 1 request: the sibling whose prompt blocks it shares.
     parent: Request | None = None
     choice_index: int = 0
+    # Mixed into the first block's prefix-cache key: only requests with the same salt share KV.
+    cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -58,8 +61,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    logprobs: list[tuple[float, list[tuple[int, float]], int]] = field(default_factory=list)
-    first_token_time: float | None = None
+    logprobs: SampleLogprobs = field(default_factory=list)
     first_scheduled_time: float | None = None  # monotonic; for the queue-time metric
 
     def __post_init__(self) -> None:

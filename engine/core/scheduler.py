@@ -9,8 +9,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.parallel_sampling import waits_for_sibling
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.outputs import PositionLogprobs
 
 
 @dataclass
@@ -79,7 +81,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
-            if self._waits_for_sibling(request):
+            if waits_for_sibling(request):
                 skipped.append(request)
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -97,12 +99,6 @@ class Scheduler:
             out.append((request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-
-    def _waits_for_sibling(self, request: Request) -> bool:
-        """Choices 2..n wait until choice 1 has computed the prompt they will share."""
-        parent = request.parent
-        return (parent is not None and not parent.is_finished
-                and parent.num_computed_tokens < parent.num_prompt_tokens)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -134,8 +130,7 @@ class Scheduler:
         )
 
     def update_from_output(self, batch: SchedulerOutput, sampled: dict[str, int],
-                           logprobs: dict[str, tuple[float, list[tuple[int, float]], int]]
-                           ) -> list[Request]:
+                           logprobs: dict[str, PositionLogprobs]) -> list[Request]:
         """Advances counters, appends sampled tokens, finishes requests; returns those touched."""
         touched = []
         for item in batch.requests:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
-
-# (sampled token's logprob, [(token id, logprob)] top-N, sampled token's rank)
-TokenLogprobs = tuple[float, list[tuple[int, float]], int]
 
 
 @dataclass(frozen=True)
@@ -49,4 +47,4 @@ class StepResult:
     """What one step produced: a token (and maybe logprobs) per sampling request."""
 
     sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)

@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention with fused q/k/v projection."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -44,7 +44,6 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.layer_idx = layer_idx
         self.backend = backend
         self.scale = self.head_dim**-0.5
         # Dequantization scales of an fp8 KV cache (stored = value / scale). 1.0 is vLLM's
@@ -86,10 +85,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residuals."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, backend)
+        self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -108,8 +107,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, max_model_len, device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -97,7 +97,7 @@ class _StaticBuffers:
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
             query_lens_list=[1] * size, seq_lens_list=lens, block_size=block_size,
-            sliding_window=sliding_window, has_padding=True)
+            sliding_window=sliding_window)
 
 
 class DecodeGraphRunner:

@@ -3,8 +3,6 @@ batch into sampled tokens. It never touches scheduler state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.config import FP8_KV_CACHE_DTYPES, EngineArgs, ModelConfig
@@ -14,19 +12,10 @@ from engine.models import build_model
 from engine.models.cpu_linear import pack_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
-from engine.worker.cuda_graphs import DecodeBatch, DecodeGraphRunner, capture_sizes
+from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
+from engine.worker.input_batch import decode_batch, prepare_inputs
 from engine.worker.sampler import Sampler
-from kernels.metadata import AttentionMetadata
 from kernels.selector import get_attention_backend
-
-
-@dataclass
-class _BatchInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling_rows]
-    sampling_rows: list[ScheduledRequest]
 
 
 class ModelRunner:
@@ -134,13 +123,14 @@ class ModelRunner:
         self.sampler.forget(batch.finished_request_ids)
         if not batch.requests:
             return StepResult()
-        decode = self._decode_batch(batch)
+        decode = decode_batch(batch, self.block_size, self.graph_runner)
         if decode is not None:  # one graph replay instead of hundreds of launches
             assert self.graph_runner is not None
             hidden = self.graph_runner.run(decode, self.kv_caches)
             rows = list(batch.requests)
         else:
-            inputs = self._prepare(batch)
+            inputs = prepare_inputs(batch, self.block_size, self.config.sliding_window,
+                                    self.device)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if not inputs.sampling_rows:
                 return StepResult()
@@ -153,68 +143,6 @@ class ModelRunner:
             if lp is not None:
                 result.logprobs[row.request_id] = lp
         return result
-
-    def _decode_batch(self, batch: SchedulerOutput) -> DecodeBatch | None:
-        """The batch as graph-runner input when it is all decodes and fits; else None."""
-        runner = self.graph_runner
-        if runner is None or not all(len(r.token_ids) == 1 and r.sample for r in batch.requests):
-            return None
-        bs = self.block_size
-        decode = DecodeBatch(
-            token_ids=[r.token_ids[0] for r in batch.requests],
-            positions=[r.start_pos for r in batch.requests],
-            slots=[r.block_ids[r.start_pos // bs] * bs + r.start_pos % bs
-                   for r in batch.requests],
-            block_tables=[list(r.block_ids) for r in batch.requests])
-        return decode if runner.can_run(decode) else None
-
-    def _prepare(self, batch: SchedulerOutput) -> _BatchInputs:
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, logits_idx = [], [], []
-        for item in batch.requests:
-            num = len(item.token_ids)
-            token_ids.extend(item.token_ids)
-            positions.extend(range(item.start_pos, item.start_pos + num))
-            query_lens.append(num)
-            seq_lens.append(item.start_pos + num)
-            if item.sample:
-                logits_idx.append(len(token_ids) - 1)
-        meta = self._metadata(batch, positions, query_lens, seq_lens)
-        dev = self.device
-        return _BatchInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            sampling_rows=[item for item in batch.requests if item.sample],
-        )
-
-    def _metadata(self, batch: SchedulerOutput, positions: list[int], query_lens: list[int],
-                  seq_lens: list[int]) -> AttentionMetadata:
-        bs, dev = self.block_size, self.device
-        max_blocks = max(len(item.block_ids) for item in batch.requests)
-        tables = [list(item.block_ids) + [0] * (max_blocks - len(item.block_ids))
-                  for item in batch.requests]
-        block_tables = torch.tensor(tables, dtype=torch.int32)  # [num_seqs, max_blocks]
-        pos = torch.tensor(positions, dtype=torch.long)
-        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)),
-                                            torch.tensor(query_lens))
-        slots = block_tables[seq_index, pos // bs].long() * bs + pos % bs  # [num_tokens]
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        return AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            block_size=bs,
-            sliding_window=self.config.sliding_window,
-        )
-
 
 @torch.no_grad()
 def _init_dummy_weights(model: torch.nn.Module) -> None:

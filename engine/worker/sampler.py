@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.core.scheduler_output import ScheduledRequest, TokenLogprobs
+from engine.core.scheduler_output import ScheduledRequest
+from engine.outputs import Logprob, PositionLogprobs
 
 
 class Sampler:
@@ -23,7 +24,7 @@ class Sampler:
             self.generators.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
-               ) -> tuple[list[int], list[TokenLogprobs | None]]:
+               ) -> tuple[list[int], list[PositionLogprobs | None]]:
         """logits: [num_rows, vocab] float32, one row per request that samples this step."""
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = self._apply_penalties_and_bans(logits, rows)
@@ -84,8 +85,8 @@ class Sampler:
         return gen
 
     def _gather_logprobs(self, logprobs: torch.Tensor | None, tokens: list[int],
-                         rows: Sequence[ScheduledRequest]) -> list[TokenLogprobs | None]:
-        result: list[TokenLogprobs | None] = [None] * len(rows)
+                         rows: Sequence[ScheduledRequest]) -> list[PositionLogprobs | None]:
+        result: list[PositionLogprobs | None] = [None] * len(rows)
         if logprobs is None:
             return result
         for i, row in enumerate(rows):
@@ -94,11 +95,13 @@ class Sampler:
                 continue
             chosen = float(logprobs[i, tokens[i]])
             rank = int((logprobs[i] > chosen).sum()) + 1
-            top: list[tuple[int, float]] = []
+            entry: PositionLogprobs = {}
             if num_top > 0:
                 values, ids = logprobs[i].topk(num_top)
-                top = list(zip(ids.tolist(), values.tolist(), strict=True))
-            result[i] = (chosen, top, rank)
+                entry = {tid: Logprob(lp, r + 1) for r, (tid, lp) in
+                         enumerate(zip(ids.tolist(), values.tolist(), strict=True))}
+            entry[tokens[i]] = Logprob(chosen, rank)
+            result[i] = entry
         return result
 
 

@@ -108,13 +108,14 @@ def test_generate_deltas_concatenate_to_the_offline_result(llm: LLM,
         completion = want.outputs[0]
         assert len(completion.token_ids) == num
         deltas = [o.outputs[0] for o in outs]
-        assert [t for d in deltas for t in d.delta_token_ids] == completion.token_ids
-        assert "".join(d.delta_text for d in deltas) == completion.text
+        assert [t for d in deltas for t in d.token_ids] == completion.token_ids
+        assert "".join(d.text for d in deltas) == completion.text
         # Streamed step by step, not in one piece at the end.
-        assert len([d for d in deltas if d.delta_token_ids]) == num
+        assert len([d for d in deltas if d.token_ids]) == num
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert deltas[-1].finish_reason == "length"
-        assert deltas[-1].token_ids == completion.token_ids
+        # Delta-only: each output carries just its step's token, never the whole history.
+        assert [len(d.token_ids) for d in deltas if d.token_ids] == [1] * num
 
 
 def test_breaking_out_of_the_iteration_aborts_and_frees_blocks(tiny_llama_dir: Path) -> None:
@@ -146,7 +147,7 @@ def test_cancelling_the_consumer_aborts_only_that_request(llm: LLM,
     async def consume(engine: AsyncEngine, prompt: list[int], num: int, rid: str,
                       seen: list[int]) -> list[int]:
         async for out in engine.generate(prompt, greedy(num), rid):
-            seen.extend(out.outputs[0].delta_token_ids)
+            seen.extend(out.outputs[0].token_ids)
         return seen
 
     async def body(engine: AsyncEngine) -> None:
@@ -174,7 +175,7 @@ def test_cancel_during_a_step_is_applied_after_it(llm: LLM, tiny_llama_dir: Path
         loop = asyncio.get_running_loop()
         in_step, release = asyncio.Event(), threading.Event()
         hold = {"armed": False, "used": False}
-        execute = engine.engine.execute
+        execute = engine.engine.runner.execute
 
         def held_execute(batch: Any) -> Any:
             # Runs on the worker thread: park the step until the test has cancelled.
@@ -184,12 +185,12 @@ def test_cancel_during_a_step_is_applied_after_it(llm: LLM, tiny_llama_dir: Path
                 assert release.wait(10.0)
             return execute(batch)
 
-        engine.engine.execute = held_execute  # type: ignore[method-assign]
+        engine.engine.runner.execute = held_execute  # type: ignore[method-assign]
         seen: list[int] = []
 
         async def consume() -> None:
             async for out in engine.generate(prompts[0], greedy(900), "mid-step"):
-                seen.extend(out.outputs[0].delta_token_ids)
+                seen.extend(out.outputs[0].token_ids)
                 if len(seen) >= 3 and not hold["used"]:
                     hold["armed"] = hold["used"] = True
 
@@ -208,7 +209,7 @@ def test_cancel_during_a_step_is_applied_after_it(llm: LLM, tiny_llama_dir: Path
         assert num_aborted(engine) == 1
         # The loop survived and serves the next request exactly.
         out = [t async for o in engine.generate(prompts[1], greedy(20), "after")
-               for t in o.outputs[0].delta_token_ids]
+               for t in o.outputs[0].token_ids]
         assert out == expected
         assert_idle(engine)
 
@@ -230,7 +231,7 @@ def test_max_queue_len_rejects_beyond_the_waiting_limit(tiny_llama_dir: Path) ->
         try:
             for stream in streams:
                 outs = [o async for o in stream]
-                assert len(outs[-1].outputs[0].token_ids) == 5
+                assert sum(len(o.outputs[0].token_ids) for o in outs) == 5
             # Once the queue drained, new requests are accepted again.
             more = [engine.add_request(prompts[i], greedy(5), f"q{i}") for i in (3, 4)]
             for stream in more:

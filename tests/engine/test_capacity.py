@@ -232,7 +232,8 @@ def expected_plan_blocks(meta: dict[str, Any], memory: int, element_bytes: int,
     hidden, inter = meta["embedding_length"], meta["feed_forward_length"]
     head_dim = hidden // meta["attention.head_count"]
     q, kv = meta["attention.head_count"] * head_dim, meta["attention.head_count_kv"] * head_dim
-    reserve = (512 * 2**20 + 2048 * (4 * hidden + 3 * inter + 2 * (q + kv)) * 2
+    step_tokens = max(2048, min(meta["context_length"], 8192))  # serve's default step budget
+    reserve = (512 * 2**20 + step_tokens * (4 * hidden + 3 * inter + 2 * (q + kv)) * 2
                + max_num_seqs * meta["vocab_size"] * 8)
     available = int(memory * 0.9) - meta["num_params"] * 2 - reserve
     bytes_per_token = 2 * meta["block_count"] * meta["attention.head_count_kv"] * head_dim
@@ -335,3 +336,18 @@ def test_plan_user_value_that_does_not_fit_falls_back(tmp_path: Path) -> None:
     text = format_plan(report)
     assert "--max-model-len 32768 does not fit" in text
     assert f"largest max_model_len that fits is {report.kv_plan.num_tokens:,}" in text
+
+
+@pytest.mark.parametrize("flags", [{}, {"max_model_len": 96}, {"max_num_batched_tokens": 40}])
+def test_plan_and_serve_assume_the_same_step_budget(tiny_llama_dir: Path,
+                                                    flags: dict[str, int]) -> None:
+    """`kvserve plan` reserves activations for the step budget the engine will really use."""
+    from engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=2**20, **flags)
+    engine = LLMEngine(args)
+    try:
+        report = build_plan(args, 24 * GiB)
+        assert report.activation.profile_tokens == engine.max_num_batched_tokens
+    finally:
+        engine.shutdown()

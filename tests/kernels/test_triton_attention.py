@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from engine import LLM, SamplingParams  # noqa: E402
 from kernels import torch_attention as torch_ops  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
+from kernels.selector import get_attention_backend  # noqa: E402
 
 
 def import_kernels() -> ModuleType:
@@ -202,14 +203,14 @@ def test_reshape_and_cache_matches_torch(cache_dtype: torch.dtype) -> None:
 
 def test_backend_selection() -> None:
     cpu = torch.device("cpu")
-    assert isinstance(torch_ops.get_attention_backend("auto", cpu),
+    assert isinstance(get_attention_backend("auto", cpu),
                       torch_ops.TorchAttentionBackend)
-    assert isinstance(torch_ops.get_attention_backend("torch", cpu),
+    assert isinstance(get_attention_backend("torch", cpu),
                       torch_ops.TorchAttentionBackend)
-    assert isinstance(torch_ops.get_attention_backend("triton", DEVICE),
+    assert isinstance(get_attention_backend("triton", DEVICE),
                       triton_ops.TritonAttentionBackend)
     with pytest.raises(ValueError, match="auto, triton or torch"):
-        torch_ops.get_attention_backend("flash", cpu)
+        get_attention_backend("flash", cpu)
 
 
 def test_tiny_llama_greedy_matches_torch_backend(tiny_llama_dir: Path) -> None:

@@ -144,7 +144,7 @@ def test_the_engine_refuses_what_its_cache_could_never_hold(tiny_llama_dir: Path
     engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir), max_model_len=MAX_MODEL_LEN,
                                   kv_cache_memory_bytes=2**20))
     try:
-        engine.num_blocks = 4  # 64 tokens of 16
+        engine.input_processor.num_blocks = 4  # 64 tokens of 16
         for num_prompt, max_tokens in ((20, 60), (70, 1)):
             with pytest.raises(ValueError) as info:
                 engine.add_request(None, list(range(3, 3 + num_prompt)),

@@ -1,0 +1,90 @@
+"""Builds the model's flat inputs for one step from the scheduler's immutable batch: token ids,
+positions, the attention metadata (block tables, slot mapping, query and sequence lengths) and
+which rows sample; or, for a pure-decode step the CUDA graphs can take, their DecodeBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.worker.cuda_graphs import DecodeBatch, DecodeGraphRunner
+from kernels.metadata import AttentionMetadata
+
+
+@dataclass
+class BatchInputs:
+    """One step's tensors for an eager forward."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_rows]
+    sampling_rows: list[ScheduledRequest]
+
+
+def decode_batch(batch: SchedulerOutput, block_size: int,
+                 graphs: DecodeGraphRunner | None) -> DecodeBatch | None:
+    """The batch as graph-runner input when it is all decodes and a graph fits; else None."""
+    if graphs is None or not all(len(r.token_ids) == 1 and r.sample for r in batch.requests):
+        return None
+    bs = block_size
+    decode = DecodeBatch(
+        token_ids=[r.token_ids[0] for r in batch.requests],
+        positions=[r.start_pos for r in batch.requests],
+        slots=[r.block_ids[r.start_pos // bs] * bs + r.start_pos % bs for r in batch.requests],
+        block_tables=[list(r.block_ids) for r in batch.requests])
+    return decode if graphs.can_run(decode) else None
+
+
+def prepare_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int | None,
+                   device: torch.device) -> BatchInputs:
+    """Flattens a mixed batch of prefill chunks and decodes into varlen tensors."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    query_lens, seq_lens, logits_idx = [], [], []
+    for item in batch.requests:
+        num = len(item.token_ids)
+        token_ids.extend(item.token_ids)
+        positions.extend(range(item.start_pos, item.start_pos + num))
+        query_lens.append(num)
+        seq_lens.append(item.start_pos + num)
+        if item.sample:
+            logits_idx.append(len(token_ids) - 1)
+    meta = attention_metadata(batch, positions, query_lens, seq_lens, block_size, sliding_window,
+                              device)
+    return BatchInputs(
+        input_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        meta=meta,
+        logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
+        sampling_rows=[item for item in batch.requests if item.sample],
+    )
+
+
+def attention_metadata(batch: SchedulerOutput, positions: list[int], query_lens: list[int],
+                       seq_lens: list[int], block_size: int, sliding_window: int | None,
+                       device: torch.device) -> AttentionMetadata:
+    """Block tables padded with block 0, and each token's cache slot."""
+    bs = block_size
+    max_blocks = max(len(item.block_ids) for item in batch.requests)
+    tables = [list(item.block_ids) + [0] * (max_blocks - len(item.block_ids))
+              for item in batch.requests]
+    block_tables = torch.tensor(tables, dtype=torch.int32)  # [num_seqs, max_blocks]
+    pos = torch.tensor(positions, dtype=torch.long)
+    seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    slots = block_tables[seq_index, pos // bs].long() * bs + pos % bs  # [num_tokens]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=slots.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        query_lens_list=query_lens,
+        seq_lens_list=seq_lens,
+        block_size=bs,
+        sliding_window=sliding_window,
+    )
