@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvserve-installed
 
-.PHONY: setup serve test bench bench-offline bench-serve soak lint clean
+.PHONY: setup serve test test-fast bench soak lint clean
 
 setup: $(STAMP)
 
@@ -25,19 +25,18 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q
 
-# The whole benchmark suite (docs/benchmarks.md); the serving part needs the peer's venv.
+# Everything but the tests marked slow (storms, fuzzing, SmolLM2 parity, benchmark runs):
+# under 3 minutes on 2 cores.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+# The benchmark suite into docs/benchmarks.md and docs/benchmarks.json: every benchmark, or
+# those of ONLY (`make bench ONLY="offline batch1"`; the other sections keep their figures).
+# The serving benchmark runs `transformers serve` from its own venv (.venv-bench, built on
+# first use) so its extras stay out of kvserve's.
 bench: setup
-	test -x .venv-bench/bin/transformers || $(PY) -m loadtest.bench_serve --setup-peer
-	$(PY) -m loadtest.benchmarks
-
-bench-offline: setup
-	$(PY) -m loadtest.bench_offline
-
-# The serving benchmark against `transformers serve --continuous-batching`, which runs from its
-# own environment (.venv-bench, created on first use) so its extras stay out of kvserve's.
-bench-serve: setup
-	test -x .venv-bench/bin/transformers || $(PY) -m loadtest.bench_serve --setup-peer
-	$(PY) -m loadtest.bench_serve --json docs/bench_serve.json --markdown docs/bench_serve.md
+	$(if $(or $(filter serving,$(ONLY)),$(if $(ONLY),,all)),test -x .venv-bench/bin/transformers || $(PY) -m loadtest.benchmarks.serving --setup-peer)
+	$(PY) -m loadtest.benchmarks $(if $(ONLY),--only $(ONLY))
 
 # Ten minutes of mixed load against the embedded model; PASS/FAIL per property.
 soak: setup

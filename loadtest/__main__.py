@@ -17,6 +17,7 @@ USAGE = """usage: python -m loadtest {run,compare} ...
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatches to `run` or `compare`; the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)

@@ -56,6 +56,7 @@ def _positive_float(text: str) -> float:
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
+    """Where the load goes: URL, transport, endpoint, key, model, label."""
     g = p.add_argument_group("target")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     g.add_argument("--transport", choices=TRANSPORTS, default="sse",
@@ -67,6 +68,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """What is sent: the dataset, its sizes, the tokenizer and the prompt format."""
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", choices=DATASETS, default="random")
     g.add_argument("--dataset-path", default=None, help="the JSONL file for --dataset jsonl")
@@ -89,6 +91,7 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
+    """How it is sent: rate, burstiness, concurrency cap, duration, sampling fields."""
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="requests/s (Poisson when burstiness is 1); inf sends all at once")
@@ -104,6 +107,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
+    """What is reported: goodput SLOs, scraping, the result file and the plot."""
     g = p.add_argument_group("metrics and output")
     g.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
@@ -115,6 +119,7 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The `python -m loadtest run` parser with every flag group."""
     p = argparse.ArgumentParser(prog="python -m loadtest run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for add in (add_target_args, add_dataset_args, add_load_args, add_output_args):
@@ -136,12 +141,14 @@ def sampling(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def dataset_spec(ns: argparse.Namespace) -> DatasetSpec:
+    """The dataset flags as a DatasetSpec."""
     return DatasetSpec(ns.dataset, ns.num_prompts, ns.input_len, ns.output_len, ns.range_ratio,
                        ns.prefix_len, ns.num_prefixes, ns.long_prompt_len,
                        ns.long_prompt_delay, ns.dataset_path, ns.seed)
 
 
 def load_config(ns: argparse.Namespace) -> LoadConfig:
+    """The arrival and transport flags as a LoadConfig."""
     return LoadConfig(ns.url, ns.transport, ns.api_key, ns.request_rate, ns.burstiness,
                       ns.max_concurrency, ns.duration, ns.seed, ns.request_timeout,
                       ns.scrape_interval, progress=not ns.no_progress)
@@ -167,6 +174,7 @@ def prepare(ns: argparse.Namespace, model: str) -> tuple[Tokenizer, list[Prompt]
 
 
 def run_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m loadtest run`: 0 when a request succeeded, 1 when none did, 2 on bad input."""
     ns = parser().parse_args(argv)
     try:
         slos = parse_goodput(ns.goodput)

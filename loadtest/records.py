@@ -109,6 +109,7 @@ class ChunkTimer:
         self.parts: list[str] = []
 
     def content(self, text: str) -> None:
+        """Stamps one content chunk: TTFT for the first, an ITL gap for the others."""
         now = time.perf_counter()
         if self.last is None:
             self.record.ttft_s = now - self.start
@@ -135,6 +136,7 @@ class ChunkTimer:
             self.record.prompt_tokens = usage.get("prompt_tokens")
 
     def finish(self) -> RequestRecord:
+        """Closes the record: end-to-end time, text, and a token count without usage."""
         rec = self.record
         rec.e2e_s = time.perf_counter() - self.start
         rec.text = "".join(self.parts)

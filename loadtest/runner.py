@@ -6,6 +6,7 @@ and later arrivals wait behind it, as in vLLM's benchmark. A prompt with a pinne
 (the long-prompt dataset) is sent at that time whatever the cap. Sending stops after
 `num_prompts` requests or `duration_s` seconds, whichever comes first; requests already sent
 finish, each bounded by `request_timeout_s`. The server's /metrics is scraped meanwhile.
+`run_fixed_concurrency` is the same driver with C requests in flight and nothing else.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LoadConfig:
     scrape_interval_s: float = 1.0
     include_usage: bool = True
     progress: bool = True
+    scrape_metrics: bool = True
 
 
 @dataclass
@@ -74,16 +76,18 @@ class SSETransport:
 
     async def stream(self, req: StreamRequest, include_usage: bool = True,
                      timeout_s: float = 600.0) -> RequestRecord:
+        """One request over its own HTTP stream."""
         return await stream_request(self.session, self.base_url, req, include_usage, timeout_s,
                                     self.api_key)
 
 
-def schedule(prompts: Sequence[Prompt], cfg: LoadConfig) -> tuple[list[tuple[float, int]],
-                                                                   list[tuple[float, int]]]:
-    """(arrival-process sends, pinned sends): each a list of (seconds from start, index)."""
-    free = [i for i, p in enumerate(prompts) if p.send_at_s is None]
+def schedule(send_at: Sequence[float | None], cfg: LoadConfig
+             ) -> tuple[list[tuple[float, int]], list[tuple[float, int]]]:
+    """(arrival-process sends, pinned sends): each a list of (seconds from start, index);
+    `send_at` holds each request's pinned send time, or None to follow the arrivals."""
+    free = [i for i, at in enumerate(send_at) if at is None]
     times = send_times(arrival_gaps(cfg.request_rate, cfg.burstiness, len(free), cfg.seed))
-    pinned = [(float(p.send_at_s), i) for i, p in enumerate(prompts) if p.send_at_s is not None]
+    pinned = [(float(at), i) for i, at in enumerate(send_at) if at is not None]
     return list(zip(times, free, strict=True)), pinned
 
 
@@ -91,13 +95,13 @@ class _Run:
     """State of one run: the transport, the cap, the records and the progress bar."""
 
     def __init__(self, cfg: LoadConfig, transport: Transport, requests: Sequence[StreamRequest],
-                 prompts: Sequence[Prompt]):
+                 prompts: Sequence[Prompt] | None):
         self.cfg, self.transport, self.requests, self.prompts = cfg, transport, requests, prompts
         self.records: dict[int, RequestRecord] = {}
         self.cap = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         self.tasks: list[asyncio.Task[None]] = []
         self.t0 = time.perf_counter()
-        self.deadline = self.t0 + (cfg.duration_s if cfg.duration_s else math.inf)
+        self.deadline = self.t0 + (math.inf if cfg.duration_s is None else cfg.duration_s)
         self.bar = tqdm(total=len(requests), disable=not cfg.progress, unit="req",
                         dynamic_ncols=True, leave=False)
         self.failed = 0
@@ -114,7 +118,7 @@ class _Run:
             if capped and self.cap is not None:
                 self.cap.release()
         record.start_s = sent - self.t0
-        if record.prompt_tokens is None:  # the server sent no usage: the tokenizer's count
+        if record.prompt_tokens is None and self.prompts is not None:  # the tokenizer's count
             record.prompt_tokens = self.prompts[index].prompt_len
         self.records[index] = record
         self.failed += not record.ok
@@ -142,6 +146,7 @@ class _Run:
         return True
 
     async def send_arrivals(self, sends: list[tuple[float, int]]) -> None:
+        """Sends the arrival-process requests on time, under the cap, until the deadline."""
         for at_s, index in sends:
             if not await self._wait_until(at_s) or not await self._acquire():
                 return
@@ -152,14 +157,18 @@ class _Run:
             self.tasks.append(asyncio.create_task(self._one(index, capped=True)))
 
     async def send_pinned(self, at_s: float, index: int) -> None:
+        """Sends one pinned request at its time (whatever the cap) unless past the deadline."""
         if await self._wait_until(at_s):
             await self._one(index, capped=False)
 
 
 async def _drive(cfg: LoadConfig, transport: Transport, requests: Sequence[StreamRequest],
-                 prompts: Sequence[Prompt]) -> tuple[_Run, float]:
+                 prompts: Sequence[Prompt] | None) -> tuple[_Run, float]:
+    """Sends every request on its schedule and waits for all; returns the run and its wall
+    time. Without prompts, nothing is pinned and no prompt length is filled in."""
     run = _Run(cfg, transport, requests, prompts)
-    sends, pinned = schedule(prompts, cfg)
+    send_at = [p.send_at_s for p in prompts] if prompts is not None else [None] * len(requests)
+    sends, pinned = schedule(send_at, cfg)
     pinned_tasks = [asyncio.create_task(run.send_pinned(at, i)) for at, i in pinned]
     try:
         await run.send_arrivals(sends)
@@ -169,9 +178,10 @@ async def _drive(cfg: LoadConfig, transport: Transport, requests: Sequence[Strea
     return run, time.perf_counter() - run.t0
 
 
-async def run_load(cfg: LoadConfig, prompts: Sequence[Prompt],
+async def run_load(cfg: LoadConfig, prompts: Sequence[Prompt] | None,
                    requests: Sequence[StreamRequest]) -> LoadRun:
-    """Runs the load; returns the records in send order with the scraped server metrics."""
+    """Runs the load; returns the records in send order with the scraped server metrics.
+    `prompts` (one per request, or None) pin send times and give prompt lengths."""
     if cfg.transport not in TRANSPORTS:
         raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got "
                          f"{cfg.transport!r}")
@@ -179,17 +189,31 @@ async def run_load(cfg: LoadConfig, prompts: Sequence[Prompt],
     async with aiohttp.ClientSession(connector=connector) as session, \
             aiohttp.ClientSession() as scrape_session:
         scraper = MetricsScraper(scrape_session, cfg.url, cfg.scrape_interval_s, cfg.api_key)
-        scraper.start(time.perf_counter())
+        if cfg.scrape_metrics:
+            scraper.start(time.perf_counter())
         if cfg.transport == "ws":
             async with WSClient(cfg.url, cfg.api_key) as ws:
                 run, duration = await _drive(cfg, ws, requests, prompts)
         else:
             run, duration = await _drive(cfg, SSETransport(cfg.url, cfg.api_key, session),
                                          requests, prompts)
-        samples = await scraper.stop()
+        samples = await scraper.stop() if cfg.scrape_metrics else []
     records = sorted(run.records.values(), key=lambda r: r.start_s)
-    return LoadRun(records, duration, len(prompts) - len(records), samples,
+    return LoadRun(records, duration, len(requests) - len(records), samples,
                    server_summary(samples))
+
+
+async def run_fixed_concurrency(base_url: str, requests: Sequence[StreamRequest],
+                                concurrency: int, time_limit_s: float = math.inf,
+                                include_usage: bool = True, request_timeout_s: float = 600.0
+                                ) -> LoadRun:
+    """`requests` over SSE with `concurrency` in flight, sent as slots free up, no scraping.
+    No request starts after `time_limit_s`; those already running finish (bounded by
+    `request_timeout_s`), so the run ends within roughly the sum of the two."""
+    cfg = LoadConfig(url=base_url, max_concurrency=concurrency, duration_s=time_limit_s,
+                     request_timeout_s=request_timeout_s, include_usage=include_usage,
+                     progress=False, scrape_metrics=False)
+    return await run_load(cfg, None, requests)
 
 
 def count_output_tokens(run: LoadRun, tokenizer: Tokenizer) -> None:

@@ -1,5 +1,6 @@
-"""Server subprocesses for the serving benchmark: the two command lines, start, readiness,
-CPU accounting and stop, plus the setup of the peer's own virtualenv.
+"""Server subprocesses (the one wrapper, for the benchmarks, the soak run and the tests): the
+kvserve and peer command lines, start, readiness, CPU accounting and stop, plus the setup of
+the peer's own virtualenv.
 
 The peer (`transformers serve`) runs from a separate venv, `.venv-bench`, so its extra
 dependencies (FastAPI, uvicorn, the openai SDK pinned by transformers) never touch the
@@ -16,6 +17,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -42,6 +45,7 @@ class ServerSpec:
 
     @property
     def base_url(self) -> str:
+        """http://127.0.0.1:<port>."""
         return f"http://127.0.0.1:{self.port}"
 
     def command_line(self) -> str:
@@ -71,16 +75,17 @@ def thread_env(threads: int) -> dict[str, str]:
     return env
 
 
-def kvserve_spec(model: Path, threads: int, max_num_seqs: int, log_dir: Path,
+def kvserve_spec(model: Path | None, threads: int, max_num_seqs: int, log_dir: Path,
                  extra_args: list[str]) -> ServerSpec:
-    """`python -m server.cli serve` from the project's venv."""
+    """`python -m server.cli serve` from the project's venv; `model=None` serves the
+    embedded default model."""
     port = free_port()
-    argv = [sys.executable, "-m", "server.cli", "serve", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--num-threads", str(threads),
+    argv = [sys.executable, "-m", "server.cli", "serve", *([] if model is None else [str(model)]),
+            "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads),
             "--max-num-seqs", str(max_num_seqs), *extra_args]
     env = thread_env(threads)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return ServerSpec("kvserve", argv, env, port, log_dir / "bench_serve_kvserve.log",
+    return ServerSpec("kvserve", argv, env, port, log_dir / "kvserve_serve.log",
                       extra_body={"ignore_eos": True})
 
 
@@ -96,7 +101,7 @@ def peer_spec(model: Path, threads: int, log_dir: Path, extra_args: list[str]) -
     # matches a token, so generation runs to max_tokens as with kvserve's ignore_eos.
     gen_config = orjson.dumps({"eos_token_id": -1, "do_sample": False}).decode()
     return ServerSpec("transformers", argv, thread_env(threads), port,
-                      log_dir / "bench_serve_transformers.log",
+                      log_dir / "transformers_serve.log",
                       extra_body={"generation_config": gen_config})
 
 
@@ -122,19 +127,26 @@ def start_server(spec: ServerSpec) -> RunningServer:
     """Starts the server in its own process group (so stopping it reaches its children)."""
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     log = spec.log_path.open("wb")
-    proc = subprocess.Popen(spec.argv, env=spec.env, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        proc = subprocess.Popen(spec.argv, env=spec.env, cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError:  # no such program, say: nothing to stop later
+        log.close()
+        raise
     return RunningServer(spec, proc, log)
 
 
-def _get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (loopback only)
+def _get_json(url: str, timeout: float = 5.0, api_key: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 (loopback)
         return orjson.loads(resp.read())
 
 
-def wait_ready(server: RunningServer, deadline_s: float) -> str:
-    """Polls GET /v1/models until it lists a model and returns that model's id. Raises with
-    the log tail when the process exits or the deadline passes first."""
+def wait_ready(server: RunningServer, deadline_s: float, api_key: str | None = None) -> str:
+    """Polls GET /v1/models (with the server's --api-key, if it has one) until it lists a model
+    and returns that model's id. Raises with the log tail when the process exits or the
+    deadline passes first."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if server.proc.poll() is not None:
@@ -142,7 +154,7 @@ def wait_ready(server: RunningServer, deadline_s: float) -> str:
                                f"before it was ready; log {server.spec.log_path}:\n"
                                f"{server.log_tail()}")
         try:
-            models = _get_json(server.spec.base_url + "/v1/models")
+            models = _get_json(server.spec.base_url + "/v1/models", api_key=api_key)
             if models.get("data"):
                 return str(models["data"][0]["id"])
         except (urllib.error.URLError, OSError, ValueError, KeyError):
@@ -168,6 +180,18 @@ def stop_server(server: RunningServer, grace_s: float = 15.0) -> int | None:
     finally:
         server.log.close()
     return proc.returncode
+
+
+@contextmanager
+def serving(spec: ServerSpec, ready_timeout_s: float = 300.0
+            ) -> Iterator[tuple[RunningServer, str]]:
+    """Starts the server, waits until it is ready and yields it with its model id; stops it
+    on exit, whatever happened."""
+    server = start_server(spec)
+    try:
+        yield server, wait_ready(server, ready_timeout_s)
+    finally:
+        stop_server(server)
 
 
 def process_tree_cpu_seconds(pid: int) -> float | None:

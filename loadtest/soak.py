@@ -24,8 +24,6 @@ import asyncio
 import random
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,29 +31,15 @@ import aiohttp
 import orjson
 
 from loadtest.records import RequestRecord
-from loadtest.scrape import parse_metrics
 from loadtest.serve_process import ROOT, kvserve_spec, start_server, stop_server, wait_ready
-from loadtest.sse_client import StreamRequest, build_body, stream_request
+from loadtest.soak_checks import Tally, check, report, sampler, wait_idle
+from loadtest.sse_client import StreamRequest, stream_request
 from loadtest.ws_client import WSClient
 
 TOPICS = ("a KV cache", "the moon", "rivers", "a small city", "bread", "winter", "trains",
           "the colour blue", "paged attention", "a quiet garden")
 BAD_BODIES = (b"{not json", b'{"prompt": "hi", "max_tokens": 1000000}',
               b'{"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 4}')
-
-
-@dataclass
-class Tally:
-    """What the load did: outcomes by kind, and the failures worth reporting."""
-
-    outcomes: Counter[str] = field(default_factory=Counter)
-    problems: list[str] = field(default_factory=list)
-    samples: list[dict[str, Any]] = field(default_factory=list)
-
-    def problem(self, kind: str, detail: str) -> None:
-        self.outcomes[kind] += 1
-        if len(self.problems) < 50:
-            self.problems.append(f"{kind}: {detail[:300]}")
 
 
 def good_request(rng: random.Random) -> StreamRequest:
@@ -83,25 +67,31 @@ def judge(record: RequestRecord, req: StreamRequest, tally: Tally, transport: st
                                      f"tokens={record.output_tokens}")
 
 
+class Cut(Exception):
+    """Raised from a chunk hook to drop a stream there (the response is closed mid-body)."""
+
+
 async def sse_cut(session: aiohttp.ClientSession, url: str, req: StreamRequest,
                   rng: random.Random, timeout_s: float, tally: Tally) -> None:
-    """An SSE stream dropped before its first token or after a few chunks."""
-    path = "/v1/chat/completions" if req.kind == "chat" else "/v1/completions"
-    after = rng.choice((0, 1, 3, 8))
+    """An SSE stream dropped at its first chunk or after a few chunks."""
+    after, seen = rng.choice((0, 1, 3, 8)), [0]
+
+    def hook(chunk: dict[str, Any]) -> None:
+        seen[0] += 1
+        if seen[0] > after:
+            raise Cut
+
     try:
-        async with session.post(url + path, json=build_body(req, True),
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            if resp.status >= 500:
-                tally.problem("5xx", f"HTTP {resp.status}")
-                return
-            chunks = 0
-            async for line in resp.content:
-                if chunks >= after:
-                    break
-                chunks += line.startswith(b"data: {")
-            tally.outcomes["cut_sse"] += 1
-    except asyncio.TimeoutError:
+        record = await stream_request(session, url, req, timeout_s=timeout_s, on_chunk=hook)
+    except Cut:
+        tally.outcomes["cut_sse"] += 1
+        return
+    if (record.status or 0) >= 500:
+        tally.problem("5xx", f"HTTP {record.status}")
+    elif record.error_kind == "timeout":
         tally.problem("stuck", "a stream to be cut produced nothing in time")
+    else:  # it ended before the cut point
+        tally.outcomes["cut_sse"] += 1
 
 
 async def ws_cut(ws: WSClient, req: StreamRequest, rng: random.Random, timeout_s: float,
@@ -155,52 +145,6 @@ async def client(url: str, seed: int, deadline: float, timeout_s: float, tally: 
                 await bad_request(session, ws, url, rng, tally)
 
 
-def rss_bytes(pid: int) -> int | None:
-    """VmRSS of a process, or None once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-async def sample(session: aiohttp.ClientSession, url: str, pid: int, t0: float
-                 ) -> dict[str, Any]:
-    """One sample: seconds since start, RSS and the /metrics gauges and counters."""
-    async with session.get(url + "/metrics") as resp:
-        page = parse_metrics(await resp.text())
-    return {"t_s": round(time.monotonic() - t0, 1), "rss_bytes": rss_bytes(pid), **page}
-
-
-async def sampler(url: str, pid: int, t0: float, interval_s: float, stop: asyncio.Event,
-                  tally: Tally) -> None:
-    """Samples until `stop` is set."""
-    async with aiohttp.ClientSession() as session:
-        while not stop.is_set():
-            try:
-                tally.samples.append(await sample(session, url, pid, t0))
-            except (aiohttp.ClientError, ValueError) as exc:
-                tally.problem("scrape_failed", repr(exc))
-            try:
-                await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
-                pass
-
-
-async def wait_idle(url: str, pid: int, t0: float, timeout_s: float) -> dict[str, Any]:
-    """The first sample with nothing running or waiting and no KV in use (or the last)."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while True:
-            last = await sample(session, url, pid, t0)
-            idle = (last["running"], last["waiting"], last["kv_cache_usage"]) == (0, 0, 0)
-            if idle or time.monotonic() > deadline:
-                return last
-            await asyncio.sleep(0.2)
-
-
 async def soak(url: str, pid: int, args: argparse.Namespace) -> tuple[Tally, dict[str, Any]]:
     """Runs the load and the sampler; returns the tally and the final idle sample."""
     tally, t0 = Tally(), time.monotonic()
@@ -214,53 +158,8 @@ async def soak(url: str, pid: int, args: argparse.Namespace) -> tuple[Tally, dic
     return tally, await wait_idle(url, pid, t0, 60.0)
 
 
-def check(tally: Tally, final: dict[str, Any], args: argparse.Namespace
-          ) -> tuple[dict[str, Any], dict[str, bool]]:
-    """The figures and the pass/fail of each property."""
-    warmup_s = min(60.0, args.minutes * 60 / 3)
-    warm = next((s for s in tally.samples if s["t_s"] >= warmup_s and s["rss_bytes"]), None)
-    warm_rss = warm["rss_bytes"] if warm else None
-    end_rss = final["rss_bytes"]
-    growth = (end_rss - warm_rss) / warm_rss if warm_rss and end_rss else None
-    out = tally.outcomes
-    figures = {
-        "minutes": args.minutes, "warmup_s": warmup_s, "rss_after_warmup_mib": _mib(warm_rss),
-        "rss_end_mib": _mib(end_rss),
-        "rss_max_mib": _mib(max((s["rss_bytes"] or 0 for s in tally.samples), default=0)),
-        "rss_growth_pct": None if growth is None else round(100 * growth, 2),
-        "final_running": final["running"], "final_waiting": final["waiting"],
-        "final_kv_cache_usage": final["kv_cache_usage"], "preemptions": final["preemptions"],
-        **dict(sorted(out.items())),
-    }
-    passed = {
-        "rss_growth": growth is not None and growth < args.max_rss_growth,
-        "no_leaked_kv": final["kv_cache_usage"] == 0,
-        "no_5xx": out["5xx"] == 0,
-        "no_stuck": out["stuck"] == 0 and final["running"] == 0 and final["waiting"] == 0,
-        "good_ok": out["good_failed"] == 0 and out["ok_sse"] + out["ok_ws"] > 0,
-        "bad_refused": out["bad_not_refused"] == 0 and out["bad_refused"] > 0,
-    }
-    return figures, passed
-
-
-def _mib(value: int | None) -> float | None:
-    return None if value is None else round(value / 2**20, 1)
-
-
-def report(figures: dict[str, Any], passed: dict[str, bool], problems: list[str]) -> None:
-    """Prints the figures and the verdicts."""
-    width = max(len(k) for k in figures)
-    print("\nsoak figures")
-    for key, value in figures.items():
-        print(f"  {key:<{width}}  {value}")
-    print("\nproperties")
-    for key, ok in passed.items():
-        print(f"  {key:<14} {'PASS' if ok else 'FAIL'}")
-    for line in problems[:20]:
-        print(f"  problem: {line}")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0, help="load duration")
@@ -278,14 +177,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Soaks a fresh server, prints and writes the verdicts; 0 only if every property holds."""
     args = parse_args(argv)
-    model = args.model
-    if model == "default":
-        from engine.model_loader.gguf.weights import default_model_path
-
-        model = str(default_model_path())
+    model = None if args.model == "default" else Path(args.model)  # None: kvserve's default
     log_dir = args.json.parent
-    spec = kvserve_spec(Path(model), args.threads, args.max_num_seqs, log_dir,
+    spec = kvserve_spec(model, args.threads, args.max_num_seqs, log_dir,
                         ["--max-model-len", "1024"])
     spec.log_path = log_dir / "soak_kvserve.log"
     server = start_server(spec)

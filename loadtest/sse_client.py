@@ -2,8 +2,8 @@
 
 `stream_request` sends one `stream: true` chat or text completion and times it: TTFT (to the
 first non-empty content chunk), the gaps between later content chunks (ITL), and end to end.
-`run_fixed_concurrency` keeps C requests in flight until N are done or a time limit passes;
-`loadtest.stats.summarize` turns records into throughput and latency percentiles.
+`loadtest.runner` drives many of them; `loadtest.stats.summarize` turns records into
+throughput and latency percentiles.
 
 Server errors never raise: an HTTP error status, an in-stream `{"error": ...}` object, a
 dropped connection or a timeout each come back as a record with `ok=False`.
@@ -12,9 +12,7 @@ dropped connection or a timeout each come back as a record with `ok=False`.
 from __future__ import annotations
 
 import asyncio
-import math
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,10 +94,15 @@ def request_headers(api_key: str | None) -> dict[str, str]:
     return headers
 
 
+ChunkHook = Callable[[dict[str, Any]], None]
+
+
 async def stream_request(session: aiohttp.ClientSession, base_url: str, req: StreamRequest,
                          include_usage: bool = True, timeout_s: float = 600.0,
-                         api_key: str | None = None) -> RequestRecord:
-    """Sends one streaming request and times it; never raises for server-side failures."""
+                         api_key: str | None = None, on_chunk: ChunkHook | None = None
+                         ) -> RequestRecord:
+    """Sends one streaming request and times it; never raises for server-side failures.
+    `on_chunk`, when given, sees every parsed chunk as it arrives (live observers)."""
     record = RequestRecord()
     timer = ChunkTimer(record)
     url = base_url.rstrip("/") + ENDPOINTS[req.kind]
@@ -112,7 +115,7 @@ async def stream_request(session: aiohttp.ClientSession, base_url: str, req: Str
                 body = (await resp.text())[:2000]
                 fail(record, http_error_kind(resp.status, body), f"HTTP {resp.status}: {body}")
                 return timer.finish()
-            await _read_stream(resp, timer)
+            await _read_stream(resp, timer, on_chunk)
     except asyncio.TimeoutError:
         fail(record, "timeout", f"no complete response within {timeout_s:g} s")
     except (aiohttp.ClientError, ValueError) as exc:
@@ -120,24 +123,25 @@ async def stream_request(session: aiohttp.ClientSession, base_url: str, req: Str
     return timer.finish()
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, timer: ChunkTimer) -> None:
+async def _read_stream(resp: aiohttp.ClientResponse, timer: ChunkTimer,
+                       on_chunk: ChunkHook | None = None) -> None:
     """Reads SSE events until [DONE], an error event, or the end of the body. A stream that
     ends without [DONE] still counts as ok (some servers never send it) when it produced
     a finish_reason."""
     parser, record = SSEParser(), timer.record
     async for line in resp.content:
         data = parser.feed_line(line)
-        if data is not None and _handle_event(data, timer):
+        if data is not None and _handle_event(data, timer, on_chunk):
             return
     data = parser.flush()
-    if data is not None and _handle_event(data, timer):
+    if data is not None and _handle_event(data, timer, on_chunk):
         return
     record.ok = record.finish_reason is not None
     if not record.ok:
         fail(record, "incomplete_stream", "stream ended without [DONE] or a finish_reason")
 
 
-def _handle_event(data: str, timer: ChunkTimer) -> bool:
+def _handle_event(data: str, timer: ChunkTimer, on_chunk: ChunkHook | None = None) -> bool:
     """Applies one event to the record; True when the stream is over (done or failed)."""
     record = timer.record
     if data.strip() == DONE:
@@ -155,60 +159,6 @@ def _handle_event(data: str, timer: ChunkTimer) -> bool:
         fail(record, "stream_error", "in-stream error: " + error_text(chunk["error"]))
         return True
     timer.apply_chunk(chunk)
+    if on_chunk is not None:
+        on_chunk(chunk)
     return False
-
-
-# ---- many requests ------------------------------------------------------------------------
-
-
-@dataclass
-class RunResult:
-    """Records of one fixed-concurrency run, in completion order, and its wall time."""
-
-    records: list[RequestRecord]
-    wall_s: float
-    concurrency: int
-    not_started: int = 0  # requests skipped because the time limit passed first
-
-
-async def run_fixed_concurrency(base_url: str, requests: Sequence[StreamRequest],
-                                concurrency: int, time_limit_s: float = math.inf,
-                                include_usage: bool = True, request_timeout_s: float = 600.0
-                                ) -> RunResult:
-    """Runs `requests` with `concurrency` in flight at once (C workers sharing one queue).
-    No request starts after `time_limit_s`; those already running finish (bounded by
-    `request_timeout_s`), so the run ends within roughly the sum of the two."""
-    todo: Iterator[StreamRequest] = iter(requests)
-    records: list[RequestRecord] = []
-    start = time.perf_counter()
-    deadline = start + time_limit_s
-    # One connection per worker: the default pool cap (100) would queue requests client-side
-    # at higher concurrency and show up as server TTFT.
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def worker() -> None:
-            for req in todo:  # a shared iterator: each request goes to exactly one worker
-                if time.perf_counter() >= deadline:
-                    return
-                records.append(await stream_request(session, base_url, req, include_usage,
-                                                    request_timeout_s))
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - start
-    return RunResult(records, wall, concurrency, not_started=len(requests) - len(records))
-
-
-# ---- statistics ---------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between order statistics
-    (numpy's default); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

@@ -18,9 +18,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from loadtest.records import RequestRecord
-from loadtest.sse_client import percentile
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between order statistics
+    (numpy's default); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def distribution(values_s: Sequence[float]) -> dict[str, float | None]:

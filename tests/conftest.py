@@ -1,8 +1,10 @@
-"""Shared pytest fixtures, once per session: tiny random-weight HF checkpoints, the GGUF."""
+"""Shared pytest fixtures, once per session: tiny random-weight HF checkpoints, the GGUF, and a
+`kvserve serve` of the tiny Llama with default flags."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 from gguf import GGUFReader
 
 from engine.model_loader.gguf.weights import default_model_path
+from tests.support.server_process import ServerProcess, kvserve
 from tests.support.tiny_models import build_tiny_model
 
 # Tests never reach a model hub: everything they load is built here or shipped in a package.
@@ -41,6 +44,16 @@ def tiny_llama3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A MistralForCausalLM checkpoint with a 48-token sliding window."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[ServerProcess]:
+    """`kvserve serve` of the tiny Llama with default flags, shared for the session by every
+    test that needs neither other flags nor a fresh process: such tests read /metrics before
+    and after and compare the two, never counters from zero."""
+    with kvserve(tiny_llama_dir, log_dir=tmp_path_factory.mktemp("tiny_server")) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -22,11 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
 
-from loadtest.bench_report import format_table
-from loadtest.bench_support import run_alone
-from loadtest.benchmarks.common import SuiteContext, target_line
+from loadtest.benchmarks.common import (
+    SuiteContext,
+    format_table,
+    ratio,
+    run_alone,
+    target_line,
+)
 from loadtest.benchmarks.prefix_cache import (
     completion,
     model_path,
@@ -34,7 +37,8 @@ from loadtest.benchmarks.prefix_cache import (
     token_prompts,
     vocab_size,
 )
-from loadtest.sse_client import DONE, ENDPOINTS, SSEParser, build_body, percentile
+from loadtest.sse_client import StreamRequest, stream_request
+from loadtest.stats import percentile
 
 NAME = "Chunked prefill"
 COMMAND = "python -m loadtest.benchmarks.chunked_prefill"
@@ -63,10 +67,6 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1e3
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num is not None and den else None
-
-
 def analyze(decoder_times: Sequence[Sequence[float]], sent: float, first: float
             ) -> dict[str, Any]:
     """ITL statistics (ms) of the decoders inside the window [sent, first] and before it."""
@@ -77,8 +77,8 @@ def analyze(decoder_times: Sequence[Sequence[float]], sent: float, first: float
     return {"ttft_ms": (first - sent) * 1e3, "window_gaps": len(window),
             "itl_p50_ms": _ms(p50), "itl_p99_ms": _ms(p99),
             "itl_max_ms": _ms(max(window) if window else None),
-            "p99_over_p50": _ratio(p99, p50), "baseline_gaps": len(baseline),
-            "baseline_p50_ms": _ms(base), "p99_over_baseline": _ratio(p99, base),
+            "p99_over_p50": ratio(p99, p50), "baseline_gaps": len(baseline),
+            "baseline_p50_ms": _ms(base), "p99_over_baseline": ratio(p99, base),
             "window_gaps_ms": [g * 1e3 for g in window]}
 
 
@@ -93,33 +93,20 @@ class LiveStream:
     error: str = ""
     done: bool = False
 
+    def on_chunk(self, chunk: dict[str, Any]) -> None:
+        """Stamps every chunk that carries a choice (one per generated token)."""
+        if chunk.get("choices"):
+            self.times.append(time.perf_counter())
 
-async def stream_live(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+
+async def stream_live(session: aiohttp.ClientSession, base_url: str, req: StreamRequest,
                       out: LiveStream) -> None:
-    """Posts one streaming completion and stamps every chunk that carries a choice; a
+    """Streams one request through the harness's SSE client, stamping chunks as they come; a
     cancelled task closes the response, which aborts the request on the server."""
     try:
-        async with session.post(url, data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json"},
-                                timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as resp:
-            if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
-                return
-            parser = SSEParser()
-            async for line in resp.content:
-                data = parser.feed_line(line)
-                if data is None:
-                    continue
-                if data.strip() == DONE:
-                    return
-                chunk = orjson.loads(data)
-                if "error" in chunk:
-                    out.error = str(chunk["error"])
-                    return
-                if chunk.get("choices"):
-                    out.times.append(time.perf_counter())
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
+        record = await stream_request(session, base_url, req, include_usage=False,
+                                      timeout_s=TIMEOUT_S, on_chunk=out.on_chunk)
+        out.error = "" if record.ok else record.error
     finally:
         out.done = True
 
@@ -139,20 +126,20 @@ async def wait_for(cond: Callable[[], bool], streams: Sequence[LiveStream], what
 async def measure_window(base_url: str, model_id: str, w: dict[str, Any]) -> dict[str, Any]:
     """Starts the decoders, sends the long prompt once they all stream, and times it."""
     short, long_prompt = w["prompts"]
-    url = base_url + ENDPOINTS["completions"]
     decode_tokens = w["max_model_len"] - len(short[0]) - 1
     async with aiohttp.ClientSession() as session:
         decoders = [LiveStream() for _ in short]
-        tasks = [asyncio.create_task(stream_live(session, url, build_body(
-            completion(model_id, p, decode_tokens), False), s))
+        tasks = [asyncio.create_task(stream_live(
+            session, base_url, completion(model_id, p, decode_tokens), s))
             for p, s in zip(short, decoders, strict=True)]
         try:
             await wait_for(lambda: all(len(s.times) > w["baseline_tokens"] for s in decoders),
                            decoders, "decoding streams")
             long = LiveStream()
             sent = time.perf_counter()
-            tasks.append(asyncio.create_task(stream_live(session, url, build_body(
-                completion(model_id, long_prompt, w["long_max_tokens"]), False), long)))
+            tasks.append(asyncio.create_task(stream_live(
+                session, base_url, completion(model_id, long_prompt, w["long_max_tokens"]),
+                long)))
             await wait_for(lambda: bool(long.times), [*decoders, long], "first long token")
             first = long.times[0]
             await wait_for(lambda: all(sum(t > first for t in s.times) >= w["tail_tokens"]

@@ -1,4 +1,4 @@
-"""The end-to-end parts of kernels/gpu_check.py: greedy parity against transformers, and decode
+"""The end-to-end parts of the GPU check (loadtest/benchmarks/gpu_check.py): greedy parity against transformers, and decode
 throughput of a Llama-3-8B-shaped model (random bfloat16 weights) with and without CUDA graphs
 beside transformers' `generate`."""
 
@@ -18,11 +18,11 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.model_loader.loader import ModelSource
 from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import ModelRunner
+from loadtest.benchmarks.common import ROOT
 
 if TYPE_CHECKING:
-    from loadtest.benchmarks.gpu_check import Report
+    from loadtest.benchmarks.gpu_check_report import Report
 
-REPO = Path(__file__).resolve().parent.parent
 TOP_K = 5
 
 
@@ -77,7 +77,8 @@ def _parity_one(name: str, model_path: str, gguf_file: str | None, device: torch
 
 def greedy_parity(report: Report, device: torch.device, smoke: bool) -> None:
     """Tiny model and (on GPU) SmolLM2, bfloat16, against transformers under the top-5 rule."""
-    sys.path.insert(0, str(REPO / "tests"))
+    if str(ROOT) not in sys.path:  # tests/ is a package of the repository, not installed
+        sys.path.insert(0, str(ROOT))
     from tests.support.tiny_models import build_tiny_model, random_prompts
 
     dtype = torch.float32 if smoke else torch.bfloat16

@@ -25,10 +25,15 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from loadtest.bench_offline import random_prompts, spread_lengths
-from loadtest.bench_report import format_table
-from loadtest.bench_support import engine_args, run_alone, tiny_model_dir
-from loadtest.benchmarks.common import SuiteContext, target_line
+from loadtest.benchmarks.common import (
+    SuiteContext,
+    format_table,
+    random_prompts,
+    run_alone,
+    spread_lengths,
+    target_line,
+)
+from loadtest.benchmarks.engines import engine_args, tiny_model_dir
 
 NAME = "KV waste under mixed load"
 COMMAND = "python -m loadtest.benchmarks.kv_waste [--quick] [--threads N] [--json PATH]"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,17 +27,20 @@ from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.llm_engine import LLMEngine
 from engine.metrics import StepTimes
 from engine.sampling_params import SamplingParams
-from loadtest.bench_offline import random_prompts
-from loadtest.bench_report import format_table
-from loadtest.bench_support import TINY_VOCAB, engine_args, run_alone, tiny_model_dir
-from loadtest.benchmarks.common import SuiteContext, target_line
+from loadtest.benchmarks.common import (
+    SuiteContext,
+    format_table,
+    random_prompts,
+    run_alone,
+    target_line,
+)
+from loadtest.benchmarks.engines import TINY_VOCAB, engine_args, tiny_model_dir
 
 NAME = "Per-step overhead outside the model forward"
 COMMAND = "python -m loadtest.benchmarks.overhead [--quick] [--threads N] [--json PATH]"
 TARGET = ("time per decode step outside the model forward < 10% of the step with SmolLM2-135M's "
           "forward, at 64 and 256 running requests")
 SHARE_LIMIT = 0.10
-WARMUP_S = 2.0
 NAN = float("nan")
 
 
@@ -51,6 +54,7 @@ class OverheadConfig:
     warmup_steps: int = 4  # steady decode steps not timed at the start
     reference_steps: int = 3  # SmolLM2 forwards timed per size
     seed: int = 0
+    warmup_s: float = 2.0  # least time each batch shape runs untimed first (see warm_up)
 
     @classmethod
     def quick(cls) -> OverheadConfig:
@@ -155,7 +159,7 @@ def measure_size(model_dir: Path, size: int, cfg: OverheadConfig, threads: int
     args = engine_args(str(model_dir), threads, size, size * (cfg.prompt_len + cfg.output_len))
     engine = RecordingEngine(args)
     batch = decode_batch(size, cfg.prompt_len, args.block_size, SamplingParams(max_tokens=1))
-    warm_up(engine, batch)
+    warm_up(engine, batch, cfg.warmup_s)
     prompts = random_prompts([cfg.prompt_len] * size, engine.model_config.vocab_size, {0},
                              cfg.seed + size)
     bodies = [orjson.dumps({"model": "tiny", "prompt": p, "max_tokens": cfg.output_len,
@@ -193,24 +197,17 @@ def decode_batch(size: int, context: int, block_size: int, sampling: SamplingPar
         for i in range(size)))
 
 
-def warm_up(engine: LLMEngine, batch: SchedulerOutput) -> None:
-    """Runs a batch on the worker at least twice and for WARMUP_S: a fresh engine's first
+def warm_up(engine: LLMEngine, batch: SchedulerOutput, seconds: float) -> None:
+    """Runs a batch on the worker at least twice and for `seconds`: a fresh engine's first
     second or two of forwards ran several times slower on the 2-core machine."""
-    until, calls = time.perf_counter() + WARMUP_S, 0
+    until, calls = time.perf_counter() + seconds, 0
     while calls < 2 or time.perf_counter() < until:
-        engine.worker.submit(engine.execute, batch).result()
+        engine.worker.submit(batch).result()
         calls += 1
 
 
-def _timed(engine: LLMEngine, batch: SchedulerOutput) -> float:
-    """Seconds one forward takes, timed on the thread that runs it."""
-    started = time.perf_counter()
-    engine.execute(batch)
-    return time.perf_counter() - started
-
-
 def forward_ms(model: str | None, sizes: list[int], contexts: list[int], steps: int,
-               threads: int) -> list[float]:
+               threads: int, warmup_s: float) -> list[float]:
     """Median forward+sampling time (ms) of one decode step per (size, context), alone, on
     the engine's worker thread (the main thread ran the same forward ~2x slower); the KV
     cache holds zeros (same work as real keys and values)."""
@@ -220,8 +217,9 @@ def forward_ms(model: str | None, sizes: list[int], contexts: list[int], steps: 
     medians = []
     for size, context in zip(sizes, contexts, strict=True):
         batch = decode_batch(size, context, engine.args.block_size, sampling)
-        warm_up(engine, batch)
-        times = [engine.worker.submit(_timed, engine, batch).result() for _ in range(steps)]
+        warm_up(engine, batch, warmup_s)
+        # the worker times each forward on its own thread: (result, seconds)
+        times = [engine.worker.submit(batch).result()[1] for _ in range(steps)]
         medians.append(statistics.median(times) * 1000)
     engine.shutdown()
     return medians
@@ -230,20 +228,38 @@ def forward_ms(model: str | None, sizes: list[int], contexts: list[int], steps: 
 # ---- suite interface ----------------------------------------------------------------------
 
 
+def prefix_key_us(block_size: int = 16, num_blocks: int = 20_000) -> float:
+    """Microseconds to key one full block for the prefix cache (the sha256 chain), timed over
+    a chain of `num_blocks` blocks. A decoding request fills a block every block_size steps, so
+    N running requests key N / block_size blocks per step."""
+    from engine.core.block_pool import hash_block_tokens
+
+    blocks = [list(range(i, i + block_size)) for i in range(num_blocks)]
+    started, parent = time.perf_counter(), None
+    for block in blocks:
+        parent = hash_block_tokens(parent, block)
+    return (time.perf_counter() - started) / num_blocks * 1e6
+
+
 def run(ctx: SuiteContext) -> dict[str, Any]:
     """Measures the tiny-model overhead per size, then SmolLM2's forward at the same sizes.
 
-    ctx.extra["overhead_reference_model"] swaps SmolLM2 for another model (tests)."""
+    ctx.extra["overhead_reference_model"] swaps SmolLM2 for another model and
+    ctx.extra["overhead_warmup_s"] shortens the warm-up (tests)."""
     ctx.apply_threads()
     cfg = OverheadConfig.quick() if ctx.quick else OverheadConfig()
+    cfg = replace(cfg, warmup_s=float(ctx.extra.get("overhead_warmup_s", cfg.warmup_s)))
     model_dir = tiny_model_dir(ctx.log_dir)
     sizes = list(cfg.sizes)
     rows = [measure_size(model_dir, n, cfg, ctx.threads) for n in sizes]
     contexts = [max(1, round(r["context"])) for r in rows]
-    tiny = forward_ms(str(model_dir), sizes, contexts, 10, ctx.threads)
+    tiny = forward_ms(str(model_dir), sizes, contexts, 10, ctx.threads, cfg.warmup_s)
     reference = ctx.extra.get("overhead_reference_model")
-    forwards = forward_ms(reference, sizes, contexts, cfg.reference_steps, ctx.threads)
+    forwards = forward_ms(reference, sizes, contexts, cfg.reference_steps, ctx.threads,
+                          cfg.warmup_s)
+    key_us = prefix_key_us()
     for row, alone, forward in zip(rows, tiny, forwards, strict=True):
+        row["prefix_key_ms"] = row["running"] / 16 * key_us / 1000  # inside overhead_ms
         add_overhead(row, alone)
         row["reference_forward_ms"] = forward
         row["share"] = row["overhead_ms"] / (row["overhead_ms"] + forward)
@@ -253,7 +269,7 @@ def run(ctx: SuiteContext) -> dict[str, Any]:
     return {"target": TARGET, "met": met, "summary": f"overhead share {summary}",
             "quick": ctx.quick, "config": cfg.__dict__, "threads": ctx.threads,
             "reference_model": reference or "SmolLM2-135M-Instruct (embedded GGUF)",
-            "rows": rows}
+            "prefix_key_us_per_block": key_us, "rows": rows}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -288,6 +304,10 @@ def render(result: dict[str, Any]) -> str:
         "", parts, "",
         "Share = overhead / (overhead + reference forward). It assumes no overlap; with "
         "SmolLM2's forward the consumers run while it computes, so the real share is lower.",
+        "", "Prefix-cache keys (sha256 chain over each full block) cost "
+        f"{result.get('prefix_key_us_per_block', NAN):.2f} µs per 16-token block: "
+        + ", ".join(f"{r.get('prefix_key_ms', NAN):.3f} ms per step at {r['running']} running"
+                    for r in rows) + " (included in the overhead above).",
         "", target_line(TARGET, result["met"], result["summary"])]
     if result.get("quick"):
         text.insert(0, "*Quick run (16 and 32 requests): not the target's sizes.*\n")

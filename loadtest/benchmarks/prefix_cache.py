@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import statistics
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -24,18 +23,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_report import format_table
-from loadtest.bench_support import run_alone
-from loadtest.benchmarks.common import SuiteContext, target_line
-from loadtest.scrape import parse_metrics
-from loadtest.serve_process import (
-    RunningServer,
-    kvserve_spec,
-    start_server,
-    stop_server,
-    wait_ready,
+from loadtest.benchmarks.common import (
+    SuiteContext,
+    format_table,
+    random_prompts,
+    run_alone,
+    target_line,
 )
-from loadtest.sse_client import StreamRequest, percentile, run_fixed_concurrency
+from loadtest.runner import run_fixed_concurrency
+from loadtest.scrape import parse_metrics
+from loadtest.serve_process import RunningServer, kvserve_spec, serving
+from loadtest.sse_client import StreamRequest
+from loadtest.stats import percentile
 
 NAME = "Prefix caching"
 COMMAND = "python -m loadtest.benchmarks.prefix_cache"
@@ -52,7 +51,7 @@ def model_path(ctx: SuiteContext) -> Path:
     """ctx.extra["model"] when given (tests pass a tiny model), else the SmolLM2 HF export."""
     if ctx.extra.get("model"):
         return Path(ctx.extra["model"]).expanduser()
-    from loadtest.hf_export import export_smollm2
+    from loadtest.benchmarks.hf_export import export_smollm2
 
     return export_smollm2()
 
@@ -72,18 +71,13 @@ def serve(ctx: SuiteContext, name: str, flags: Sequence[str]
     spec = kvserve_spec(model_path(ctx), ctx.threads, int(ctx.extra.get("max_num_seqs", 16)),
                         ctx.log_dir, extra)
     spec.log_path = ctx.log_dir / f"{name}.log"
-    server = start_server(spec)
-    try:
-        model_id = wait_ready(server, float(ctx.extra.get("ready_timeout_s", 300.0)))
-        yield server, model_id
-    finally:
-        stop_server(server)
+    with serving(spec, float(ctx.extra.get("ready_timeout_s", 300.0))) as running:
+        yield running
 
 
 def token_prompts(vocab: int, lengths: Sequence[int], seed: int) -> list[list[int]]:
     """Seeded random prompts of token ids in [MIN_TOKEN_ID, vocab), one per length."""
-    rng = random.Random(seed)
-    return [[rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(n)] for n in lengths]
+    return random_prompts(lengths, vocab, set(range(MIN_TOKEN_ID)), seed)
 
 
 def completion(model_id: str, prompt: list[int], max_tokens: int) -> StreamRequest:

@@ -21,6 +21,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from engine.config import EngineArgs
 from engine.outputs import RequestOutput
 from tests.support.tiny_models import random_prompts
+from tests.support.waiting import wait_until
 
 T = TypeVar("T")
 ENGINE_KWARGS: dict[str, Any] = {"num_threads": 1, "kv_cache_memory_bytes": 4 * 2**20,
@@ -52,15 +53,6 @@ def run_with_engine(model_dir: Path, body: Callable[[AsyncEngine], Awaitable[T]]
             await engine.stop()
 
     return asyncio.run(main())
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Polls the event loop until `condition()` holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 def assert_idle(engine: AsyncEngine) -> None:

@@ -344,7 +344,7 @@ def test_plan_and_serve_assume_the_same_step_budget(tiny_llama_dir: Path,
     """`kvserve plan` reserves activations for the step budget the engine will really use."""
     from engine.llm_engine import LLMEngine
 
-    args = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=2**20, **flags)
+    args = EngineArgs.from_kwargs(str(tiny_llama_dir), kv_cache_memory_bytes=2**20, **flags)
     engine = LLMEngine(args)
     try:
         report = build_plan(args, 24 * GiB)

@@ -17,7 +17,8 @@ from engine.worker.cuda_graphs import (
     capture_sizes,
     padded_size,
 )
-from tests.support.tiny_models import hf_greedy, random_prompts
+from tests.support.greedy import generated_ids, hf_greedy
+from tests.support.tiny_models import random_prompts
 
 VOCAB = 512
 
@@ -57,8 +58,7 @@ def test_static_buffer_decode_path_matches_plain_path_and_transformers(
         llm: LLM, tiny_llama_dir: Path) -> None:
     prompts = random_prompts(VOCAB, 5, 3, 40, seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    plain = generated_ids(llm, prompts, params)
     runner = llm.engine.runner
     seen_sizes: list[int] = []
 
@@ -70,8 +70,7 @@ def test_static_buffer_decode_path_matches_plain_path_and_transformers(
     runner.graph_runner = DecodeGraphRunner(forward, [2, 8], 256, runner.block_size, None,
                                             runner.device, use_graphs=False)
     try:
-        padded = [o.outputs[0].token_ids for o in llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        padded = generated_ids(llm, prompts, params)
     finally:
         runner.graph_runner = None
     assert seen_sizes and set(seen_sizes) <= {2, 8} and 8 in seen_sizes

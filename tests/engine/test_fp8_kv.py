@@ -4,13 +4,13 @@ Three levels: the torch twin's quantized write (precision, saturation, scale fol
 (blocks, tokens, max concurrency and the startup log lines against the seed's formula, computed
 here from config.json); whole-engine greedy output of the tiny Llama against kv_cache_dtype auto.
 
-Agreement thresholds. The tiny checkpoint has random weights drawn wide (tests/tiny_models.py),
-so its attention is sharp and fp8's rounding of K/V (relative 2^-4 for e4m3, 2^-3 for e5m2)
-flips greedy tokens far more often than a trained model's: SmolLM2 keeps most of its tokens
-(docs/fp8_kv_quality.md). So the strong check is exactness against an oracle that rounds K/V
-through fp8 and caches them in float32: the fp8 engine must match it token for token. The
-agreement with auto is then a drift bound, measured on this prompt set (12 prompts x 32 tokens)
-and asserted with about 2x margin:
+Agreement thresholds. The tiny checkpoint has random weights drawn wide
+(tests/support/tiny_models.py), so its attention is sharp and fp8's rounding of K/V (relative
+2^-4 for e4m3, 2^-3 for e5m2) flips greedy tokens far more often than a trained model's: SmolLM2
+keeps most of its tokens (docs/benchmarks.md, section 8). So the strong check is exactness
+against an oracle that rounds K/V through fp8 and caches them in float32: the fp8 engine must
+match it token for token. The agreement with auto is then a drift bound, measured on this prompt
+set (12 prompts x 32 tokens) and asserted with about 2x margin:
 
     dtype      overall agreement  shortest common prefix  logprob MAD (common prefix)
     fp8_e4m3   19.5%              2                       0.127
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ import torch
 from engine import LLM, SamplingParams
 from kernels.metadata import AttentionMetadata
 from kernels.torch_attention import reshape_and_cache, unified_attention
-from loadtest.bench_fp8_quality import Completion, compare
+from loadtest.benchmarks.fp8_quality import Completion, compare
 from tests.support.tiny_models import random_prompts
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -184,7 +185,7 @@ def runs(tiny_llama_dir: Path) -> dict[str, list[Completion]]:
                                        kv_cache_dtype=kv_dtype), prompts)
     for kv_dtype, dtype in FP8.items():
         llm = LLM(str(tiny_llama_dir), dtype="float32")
-        for layer in llm.engine.runner.model.layers:
+        for layer in cast(Any, llm.engine.runner.model).layers:
             layer.self_attn.backend = _Fp8RoundTripBackend(layer.self_attn.backend, dtype)
         results[f"oracle_{kv_dtype}"] = greedy(llm, prompts)
     return results

@@ -82,6 +82,7 @@ def _conversion_not_expected(path: Path) -> Tokenizer:
     raise AssertionError(f"{path} was converted although its tokenizer is cached")
 
 
+@pytest.mark.slow  # hf_model: transformers dequantizes all of SmolLM2 (~13 s)
 def test_config_matches_transformers(model_path: Path, hf_model: PreTrainedModel) -> None:
     # from_pretrained(gguf_file=...) builds this via AutoConfig.from_pretrained(gguf_file=...);
     # reusing it saves a second 10+ s parse of the GGUF's vocabulary.
@@ -104,6 +105,7 @@ def test_config_matches_transformers(model_path: Path, hf_model: PreTrainedModel
     assert cfg.eos_token_ids == (hf.eos_token_id,)
 
 
+@pytest.mark.slow
 def test_weight_names_match_transformers(our_weights: dict[str, torch.Tensor],
                                          hf_state_dict: dict[str, torch.Tensor]) -> None:
     # The file is tied: transformers lists lm_head as an alias of embed_tokens, we omit it.
@@ -111,6 +113,7 @@ def test_weight_names_match_transformers(our_weights: dict[str, torch.Tensor],
     assert set(our_weights) | {"lm_head.weight"} == set(hf_state_dict)
 
 
+@pytest.mark.slow
 def test_every_weight_equals_transformers(our_weights: dict[str, torch.Tensor],
                                           hf_state_dict: dict[str, torch.Tensor]) -> None:
     for name, tensor in our_weights.items():
@@ -120,6 +123,7 @@ def test_every_weight_equals_transformers(our_weights: dict[str, torch.Tensor],
         assert torch.allclose(tensor, expected, rtol=0, atol=1e-6), name
 
 
+@pytest.mark.slow
 def test_permutation_is_really_exercised(gguf_reader: GGUFReader,
                                          hf_state_dict: dict[str, torch.Tensor]) -> None:
     """The raw GGUF q/k rows differ from HF's, so the equality above depends on the inverse."""

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, ModelConfig, SamplingParams
-from tests.support.tiny_models import hf_greedy, hf_logprobs, random_prompts
+from tests.support.greedy import generated_ids, hf_greedy, hf_logprobs
+from tests.support.tiny_models import random_prompts
 
 MAX_TOKENS = 32
 NUM_PROMPTS = 12
@@ -48,10 +49,9 @@ def make_llm(model_dir: Path, config: dict[str, Any]) -> LLM:
     return LLM(str(model_dir), dtype="float32", **kwargs)
 
 
-def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+           ) -> list[list[int]]:
+    return generated_ids(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
 @pytest.mark.parametrize("config_name", list(CONFIGS))
@@ -115,9 +115,7 @@ def test_llama3_rope_scaling_matches_transformers(tiny_llama3_dir: Path) -> None
     prompts = random_prompts(512, 3, 100, 300, seed=4)
     expected = hf_greedy(tiny_llama3_dir, prompts, 16)
     llm = LLM(str(tiny_llama3_dir), dtype="float32")
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert greedy(llm, prompts, 16) == expected
     assert torch.get_num_threads() >= 1
 
 
@@ -128,6 +126,4 @@ def test_mistral_sliding_window_matches_transformers(tiny_mistral_dir: Path) -> 
     expected = hf_greedy(tiny_mistral_dir, prompts, 24)
     for kwargs in ({}, {"max_num_batched_tokens": 16, "block_size": 8}):
         llm = LLM(str(tiny_mistral_dir), dtype="float32", **kwargs)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert greedy(llm, prompts, 24) == expected

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.support.greedy import generated_ids
 from tests.support.tiny_models import random_prompts
 
 PROMPTS = random_prompts(512, 6, 4, 40, seed=21)
@@ -17,14 +18,9 @@ def llm(tiny_llama_dir: Path) -> LLM:
     return LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory_bytes=8 * 2**20)
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
 def test_seeded_sampling_reproduces_across_batch_compositions(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
-    alone = run(llm, [PROMPTS[0]], params)[0]
+    alone = generated_ids(llm, [PROMPTS[0]], params)[0]
     unseeded = SamplingParams(temperature=1.0, max_tokens=24)
     mixed = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:4]], unseeded,
                          use_tqdm=False)
@@ -32,14 +28,14 @@ def test_seeded_sampling_reproduces_across_batch_compositions(llm: LLM) -> None:
     together = llm.generate(mixed_batch, [unseeded] * 3 + [params], use_tqdm=False)
     assert together[-1].outputs[0].token_ids == alone
     assert len(mixed) == 3
-    other_seed = run(llm, [PROMPTS[0]], SamplingParams(temperature=1.0, top_p=0.9, seed=99,
-                                                        max_tokens=16))[0]
+    other_seed = generated_ids(llm, [PROMPTS[0]], SamplingParams(
+        temperature=1.0, top_p=0.9, seed=99, max_tokens=16))[0]
     assert other_seed != alone  # the seed matters
 
 
 def test_top_k_1_equals_greedy(llm: LLM) -> None:
-    greedy = run(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
-    top1 = run(llm, PROMPTS, SamplingParams(temperature=0.8, top_k=1, max_tokens=12))
+    greedy = generated_ids(llm, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
+    top1 = generated_ids(llm, PROMPTS, SamplingParams(temperature=0.8, top_k=1, max_tokens=12))
     assert top1 == greedy
 
 
@@ -51,8 +47,8 @@ def test_max_tokens_ends_with_length(llm: LLM) -> None:
 
 
 def test_stop_token_id_ends_with_stop_and_reason(llm: LLM) -> None:
-    greedy = run(llm, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12,
-                                                    ignore_eos=True))[0]
+    greedy = generated_ids(llm, [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12,
+                                                             ignore_eos=True))[0]
     stop_id = greedy[4]
     first = greedy.index(stop_id)
     out = llm.generate({"prompt_token_ids": PROMPTS[1]},
@@ -80,8 +76,8 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
 
 
 def test_min_tokens_holds_back_stop_ids(llm: LLM) -> None:
-    greedy = run(llm, [PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=10,
-                                                    ignore_eos=True))[0]
+    greedy = generated_ids(llm, [PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=10,
+                                                             ignore_eos=True))[0]
     out = llm.generate({"prompt_token_ids": PROMPTS[3]},
                        SamplingParams(temperature=0.0, max_tokens=10, min_tokens=6,
                                       stop_token_ids=[greedy[0]], ignore_eos=True),
@@ -92,10 +88,11 @@ def test_min_tokens_holds_back_stop_ids(llm: LLM) -> None:
 
 def test_repetition_penalty_changes_a_repetitive_continuation(llm: LLM) -> None:
     prompt = PROMPTS[4]
-    plain = run(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=24,
-                                               ignore_eos=True))[0]
-    penalised = run(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=24,
-                                                   repetition_penalty=5.0, ignore_eos=True))[0]
+    plain = generated_ids(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=24,
+                                                        ignore_eos=True))[0]
+    penalised = generated_ids(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=24,
+                                                            repetition_penalty=5.0,
+                                                            ignore_eos=True))[0]
     assert penalised != plain
     # with a strong penalty the output repeats fewer of the prompt's tokens
     seen = set(prompt)

@@ -14,7 +14,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.model_loader.gguf.weights import default_model_path
-from tests.support.tiny_models import GreedyTrace, hf_topk_greedy
+from tests.support.greedy import GreedyTrace, hf_topk_greedy
 
 MAX_TOKENS = 24
 TOPICS = ["the moon", "bread", "a river", "prime numbers", "bicycles", "the ocean"]
@@ -65,6 +65,7 @@ def count_divergences(ours: list[tuple[list[int], list[list[int]]]],
     return diverged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_smollm2_matches_transformers(config_name: str, smol_prompts: list[list[int]],
                                       reference: list[GreedyTrace]) -> None:

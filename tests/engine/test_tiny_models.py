@@ -10,13 +10,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.support.greedy import hf_greedy, hf_logprobs, hf_topk_greedy
 from tests.support.tiny_models import (
     EOS_TOKEN_ID,
     SPECIAL_TOKEN_IDS,
     _trained_tokenizer_json,
-    hf_greedy,
-    hf_logprobs,
-    hf_topk_greedy,
     random_prompts,
     train_tokenizer,
 )

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from engine.llm_engine import LLMEngine
-from loadtest.bench_support import engine_args, tiny_model_dir
 from loadtest.benchmarks import kv_waste, overhead
 from loadtest.benchmarks.common import SuiteContext, target_line
+from loadtest.benchmarks.engines import engine_args, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +57,13 @@ def test_kv_waste_short_run_samples_every_step(tiny_dir: Path) -> None:
     requests = kv_waste.make_requests(cfg)
     engine = LLMEngine(engine_args(str(tiny_dir), 1, 8, 2048))
     forwards: list[int] = []
-    execute = engine.execute
+    submit = engine.worker.submit
 
-    def counting_execute(batch: Any) -> Any:
+    def counting_submit(batch: Any) -> Any:
         forwards.append(len(batch.requests))
-        return execute(batch)
+        return submit(batch)
 
-    engine.execute = counting_execute  # type: ignore[method-assign]
+    engine.worker.submit = counting_submit  # type: ignore[method-assign]
     try:
         samples = kv_waste.drive(engine, requests, cfg)
     finally:
@@ -76,6 +76,7 @@ def test_kv_waste_short_run_samples_every_step(tiny_dir: Path) -> None:
     assert engine.kv.stats.hits > 0  # the shared prefix was reused
 
 
+@pytest.mark.slow
 def test_kv_waste_run_and_render(tiny_dir: Path, tmp_path: Path) -> None:
     ctx = SuiteContext(threads=1, quick=True, log_dir=tmp_path,
                        extra={"kv_waste_model": str(tiny_dir)})
@@ -88,9 +89,11 @@ def test_kv_waste_run_and_render(tiny_dir: Path, tmp_path: Path) -> None:
         kv_waste.render(result)
 
 
+@pytest.mark.slow
 def test_overhead_quick_run_and_render(tiny_dir: Path, tmp_path: Path) -> None:
     ctx = SuiteContext(threads=1, quick=True, log_dir=tmp_path,
-                       extra={"overhead_reference_model": str(tiny_dir)})
+                       extra={"overhead_reference_model": str(tiny_dir),
+                              "overhead_warmup_s": 0.2})
     result = overhead.run(ctx)
     assert [r["running"] for r in result["rows"]] == [16, 32]
     for row in result["rows"]:

@@ -113,6 +113,7 @@ def _ctx(tmp_path: Path, model: Path, **extra: object) -> SuiteContext:
                         extra={"model": model, **extra})
 
 
+@pytest.mark.slow
 def test_prefix_cache_quick_run_on_a_tiny_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     ctx = _ctx(tmp_path, tiny_llama_dir, prompt_len=160, num_requests=3, max_tokens=2,
                concurrency=[1, 2])
@@ -127,6 +128,7 @@ def test_prefix_cache_quick_run_on_a_tiny_model(tiny_llama_dir: Path, tmp_path: 
     assert "**Target:**" in prefix_cache.render(result)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_quick_run_on_a_tiny_model(tiny_llama_dir: Path, tmp_path: Path
                                                    ) -> None:
     ctx = _ctx(tmp_path, tiny_llama_dir, long_prompt_len=600, budgets=[1024, 32],

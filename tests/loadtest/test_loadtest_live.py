@@ -37,10 +37,11 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
         yield srv
 
 
-def run_cli(server: ServerProcess, tmp_path: Path, *flags: str) -> tuple[int, dict[str, Any]]:
+def run_cli(server: ServerProcess, tmp_path: Path, *flags: str,
+            scrape_interval: str = "0.2") -> tuple[int, dict[str, Any]]:
     out = tmp_path / "result.json"
     code = loadtest_main(["run", "--url", server.url, "--no-progress", "--scrape-interval",
-                          "0.2", "--result-json", str(out), *flags])
+                          scrape_interval, "--result-json", str(out), *flags])
     return code, orjson.loads(out.read_bytes())
 
 
@@ -63,7 +64,9 @@ def test_run_writes_every_field_and_a_png(server: ServerProcess, tmp_path: Path,
     code, result = run_cli(server, tmp_path, "--transport", transport, "--endpoint", endpoint,
                            "--num-prompts", "12", "--request-rate", "30", "--input-len", "24",
                            "--output-len", "6", "--ignore-eos", "--goodput", "ttft:600000",
-                           "e2el:600000", "--plot", str(png))
+                           "e2el:600000", "--plot", str(png),
+                           # the run lasts ~0.4 s: scrape often enough to see requests running
+                           scrape_interval="0.03")
     assert code == 0
     check_complete_result(result, 12)
     summary = result["summary"]

@@ -5,30 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.scrape import MetricsScraper, parse_metrics, server_summary
 from loadtest.sse_client import StreamRequest, stream_request
 from loadtest.ws_client import WSClient
-from tests.support.server_process import ServerProcess, kvserve
+from tests.support.metrics import scrape, wait_idle
+from tests.support.server_process import ServerProcess
 from tests.support.tiny_models import english_sentences
 
 # ---- live kvserve -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
-    with kvserve(tiny_llama_dir, log_dir=tmp_path_factory.mktemp("ws_load")) as srv:
-        yield srv
 
 
 def make_request(i: int, max_tokens: int) -> StreamRequest:
@@ -40,32 +31,15 @@ def make_request(i: int, max_tokens: int) -> StreamRequest:
     return StreamRequest("completions", {"prompt": text, **common})
 
 
-async def server_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float | None]:
-    async with session.get(url + "/metrics") as resp:
-        return parse_metrics(await resp.text())
-
-
-async def aborted(session: aiohttp.ClientSession, url: str) -> float:
+async def aborted(url: str) -> float:
     """Requests the server counted as finished by abort (a cancel reached it)."""
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == "kvserve:request_success_total"
-               and sample.labels.get("finished_reason") == "abort")
+    page = await asyncio.to_thread(scrape, url)
+    return page.value("request_success_total", finished_reason="abort")
 
 
-async def wait_idle(session: aiohttp.ClientSession, url: str, timeout: float = 5.0) -> None:
-    """Polls /metrics until nothing runs or waits."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        values = await server_metrics(session, url)
-        if values["running"] == values["waiting"] == 0:
-            return
-        assert asyncio.get_running_loop().time() < deadline, f"still busy: {values}"
-        await asyncio.sleep(0.05)
-
-
-def test_concurrent_streams_match_sse_and_a_bad_one_fails_alone(server: ServerProcess) -> None:
+def test_concurrent_streams_match_sse_and_a_bad_one_fails_alone(
+        tiny_server: ServerProcess) -> None:
+    server = tiny_server
     requests = [make_request(i, 8 + 3 * i) for i in range(4)]
     bad = StreamRequest("completions", {"prompt": "hello", "max_tokens": -1})
 
@@ -92,28 +66,29 @@ def test_concurrent_streams_match_sse_and_a_bad_one_fails_alone(server: ServerPr
     asyncio.run(main())
 
 
-def test_timeout_and_caller_cancel_abort_on_the_server(server: ServerProcess) -> None:
+def test_timeout_and_caller_cancel_abort_on_the_server(tiny_server: ServerProcess) -> None:
+    server = tiny_server
     long = make_request(0, 1000)
 
     async def main() -> None:
-        async with aiohttp.ClientSession() as session, WSClient(server.url) as ws:
-            aborts = await aborted(session, server.url)
+        async with WSClient(server.url) as ws:
+            aborts = await aborted(server.url)
             record = await ws.stream(long, timeout_s=0.3)
             assert not record.ok and record.error_kind == "timeout", record.error
-            await wait_idle(session, server.url)
+            await asyncio.to_thread(wait_idle, server.url)
 
             task = asyncio.create_task(ws.stream(long))
             for _ in range(250):  # until the server runs it (at most ~5 s)
-                if (await server_metrics(session, server.url))["running"]:
+                if (await asyncio.to_thread(scrape, server.url))["running"]:
                     break
                 await asyncio.sleep(0.02)
             assert not task.done()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await wait_idle(session, server.url)
+            await asyncio.to_thread(wait_idle, server.url)
             assert ws.pending == 0
-            assert await aborted(session, server.url) == aborts + 2
+            assert await aborted(server.url) == aborts + 2
             # The socket still carries new requests after both cancels.
             after = await ws.stream(make_request(1, 4))
             assert after.ok and after.output_tokens == 4

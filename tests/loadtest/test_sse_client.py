@@ -12,15 +12,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from loadtest.sse_client import (
-    RequestRecord,
-    SSEParser,
-    StreamRequest,
-    percentile,
-    run_fixed_concurrency,
-    stream_request,
-)
-from loadtest.stats import summarize
+from loadtest.records import RequestRecord
+from loadtest.runner import run_fixed_concurrency
+from loadtest.sse_client import SSEParser, StreamRequest, stream_request
+from loadtest.stats import percentile, summarize
 
 FIRST_SLEEP, GAP_SLEEP = 0.06, 0.02
 WORDS = ["Hello", ",", " world", "!"]
@@ -148,6 +143,21 @@ def test_http_error_is_a_failure() -> None:
     assert not rec.ok and rec.status == 400 and "bad max_tokens" in rec.error
 
 
+def test_chunk_hook_sees_every_chunk_as_it_arrives() -> None:
+    import aiohttp
+
+    seen: list[dict[str, Any]] = []
+
+    async def test(base: str) -> RequestRecord:
+        async with aiohttp.ClientSession() as session:
+            req = StreamRequest("chat", {"messages": [{"role": "user", "content": "ok"}]})
+            return await stream_request(session, base, req, on_chunk=seen.append)
+    rec = with_server(test)[0]
+    assert rec.ok and len(seen) == 7  # role, 4 words, finish, usage
+    assert [c["choices"][0]["delta"].get("content") for c in seen[1:5]] == WORDS
+    assert seen[-1]["usage"]["completion_tokens"] == 7  # the usage-only chunk too
+
+
 def test_completions_stream_split_across_writes() -> None:
     import aiohttp
 
@@ -181,9 +191,9 @@ def test_runner_keeps_concurrency_and_records_every_request() -> None:
     reqs = [StreamRequest("chat", {"messages": [{"role": "user", "content": s}]})
             for s in ["ok"] * 5 + ["http400"]]
     result, max_in_flight = with_server(lambda base: run_fixed_concurrency(base, reqs, 2))
-    assert len(result.records) == 6 and result.not_started == 0
+    assert len(result.records) == 6 and result.not_sent == 0
     assert max_in_flight == 2
-    summary = summarize(result.records, result.wall_s)
+    summary = summarize(result.records, result.duration_s)
     assert summary["successful_requests"] == 5 and summary["failed_requests"] == 1
     assert summary["total_output_tokens"] == 35
     errors = list(summary["failure_examples"].values())
@@ -193,7 +203,7 @@ def test_runner_keeps_concurrency_and_records_every_request() -> None:
 def test_runner_starts_nothing_after_time_limit() -> None:
     reqs = [StreamRequest("chat", {"messages": [{"role": "user", "content": "ok"}]})] * 3
     result, _ = with_server(lambda base: run_fixed_concurrency(base, reqs, 2, time_limit_s=0))
-    assert result.records == [] and result.not_started == 3
+    assert result.records == [] and result.not_sent == 3
 
 
 def test_percentile_interpolates_like_numpy() -> None:

@@ -4,7 +4,7 @@ documented bounds always decode."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 from hypothesis import given, settings
@@ -77,7 +77,7 @@ sampling = st.fixed_dictionaries({}, optional={
 token_ids = st.lists(st.integers(0, protocol.MAX_INT), min_size=1, max_size=8)
 prompts = (st.text(min_size=1, max_size=20) | st.lists(st.text(min_size=1), min_size=1, max_size=4)
            | token_ids | st.lists(token_ids, min_size=1, max_size=4))
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(protocol.Role.__args__),
+messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(get_args(protocol.Role)),
                                            "content": st.text(max_size=20) | st.none()}),
                     min_size=1, max_size=5)
 

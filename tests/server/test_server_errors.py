@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,20 +16,25 @@ import aiohttp
 import openai
 import pytest
 
-from tests.support.server_process import ServerProcess, assert_error_body, kvserve
+from tests.support.api import (
+    PROMPT,
+    assert_error,
+    assert_error_body,
+    assert_serves,
+    http,
+    openai_client,
+)
+from tests.support.metrics import scrape
+from tests.support.server_process import MAX_BODY_BYTES, ServerProcess, kvserve
 
-MAX_BODY_BYTES = 65536
 API_KEY = "test-secret-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-PROMPT = "Hello there"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
-    with kvserve(tiny_llama_dir, "--max-body-bytes", str(MAX_BODY_BYTES),
-                 log_dir=tmp_path_factory.mktemp("errors_logs")) as proc:
-        yield proc
+def server(capped_server: ServerProcess) -> ServerProcess:
+    """The session's server with a 64 KiB body cap (tests/server/conftest.py)."""
+    return capped_server
 
 
 @pytest.fixture(scope="module")
@@ -47,49 +50,6 @@ def guarded_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactor
 @pytest.fixture(scope="module")
 def vocab_size(tiny_llama_dir: Path) -> int:
     return int(json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"])
-
-
-class Reply:
-    """A finished HTTP exchange."""
-
-    def __init__(self, status: int, headers: Any, raw: bytes) -> None:
-        self.status = status
-        self.headers = headers
-        self.raw = raw
-
-    def json(self) -> Any:
-        return json.loads(self.raw)
-
-
-def http(server: ServerProcess, method: str, path: str, body: Any = None,
-         headers: dict[str, str] | None = None) -> Reply:
-    """One request; 4xx and 5xx come back as a Reply, not an exception."""
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    request = urllib.request.Request(server.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json",
-                                              **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return Reply(resp.status, resp.headers, resp.read())
-    except urllib.error.HTTPError as err:
-        return Reply(err.code, err.headers, err.read())
-
-
-def assert_error(reply: Reply, status: int, param: str | None = None) -> dict[str, Any]:
-    assert reply.status == status, reply.raw
-    assert reply.headers["Content-Type"].startswith("application/json")
-    return assert_error_body(reply.json(), param)
-
-
-def assert_serves(server: ServerProcess, headers: dict[str, str] | None = None) -> None:
-    """A normal request still completes."""
-    reply = http(server, "POST", "/v1/completions",
-                 {"prompt": PROMPT, "max_tokens": 3, "temperature": 0.0, "ignore_eos": True},
-                 headers)
-    assert reply.status == 200, reply.raw
-    body = reply.json()
-    assert body["usage"]["completion_tokens"] == 3
-    assert body["choices"][0]["finish_reason"] == "length"
 
 
 # ---- 400: bad input ---------------------------------------------------------------------------
@@ -150,10 +110,10 @@ def test_token_id_outside_the_vocabulary(server: ServerProcess, vocab_size: int)
     assert_error(http(server, "POST", "/v1/completions", {"prompt": [1, -2]}), 400)
     assert_serves(server)
     # A batch with one bad prompt queued nothing: the engine is idle again.
-    metrics = http(server, "GET", "/metrics").raw.decode()
-    assert 'kvserve:num_requests_waiting{model_name=' in metrics
-    assert all(line.endswith(" 0.0") for line in metrics.splitlines()
-               if line.startswith(("kvserve:num_requests_waiting", "kvserve:num_requests_running")))
+    page = scrape(server.url)
+    gauges = page.find("num_requests_waiting") + page.find("num_requests_running")
+    assert any("model_name" in s.labels for s in page.find("num_requests_waiting"))
+    assert all(s.value == 0.0 for s in gauges)
 
 
 def test_prompt_plus_max_tokens_over_max_model_len(server: ServerProcess) -> None:
@@ -176,7 +136,7 @@ def test_prompt_plus_max_tokens_over_max_model_len(server: ServerProcess) -> Non
 
 
 def test_openai_sdk_raises_bad_request(server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    client = openai_client(server)
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
                                   temperature=-1.0)
@@ -195,10 +155,9 @@ def test_api_key(guarded_server: ServerProcess) -> None:
     assert http(guarded_server, "GET", "/health").status == 200
     assert http(guarded_server, "GET", "/metrics").status == 200
     assert_serves(guarded_server, AUTH)
-    client = openai.OpenAI(base_url=guarded_server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        client.models.list()
-    good = openai.OpenAI(base_url=guarded_server.url + "/v1", api_key=API_KEY, max_retries=0)
+        openai_client(guarded_server, api_key="wrong").models.list()
+    good = openai_client(guarded_server, api_key=API_KEY)
     assert good.models.list().data
 
 
@@ -237,16 +196,10 @@ def test_full_queue_is_503_with_retry_after(guarded_server: ServerProcess) -> No
     assert_serves(guarded_server, AUTH)
 
 
-async def _busy(session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+async def _busy(url: str) -> tuple[float | None, float | None]:
     """(running, waiting) requests, from /metrics."""
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    values = {}
-    for line in text.splitlines():
-        for name in ("num_requests_running", "num_requests_waiting"):
-            if line.startswith(f"kvserve:{name}{{"):
-                values[name] = int(float(line.rsplit(" ", 1)[1]))
-    return values["num_requests_running"], values["num_requests_waiting"]
+    page = await asyncio.to_thread(scrape, url)
+    return page["running"], page["waiting"]
 
 
 async def _fill_the_queue(server: ServerProcess) -> None:
@@ -262,7 +215,7 @@ async def _fill_the_queue(server: ServerProcess) -> None:
         await running.content.readline()  # its first chunk: it is running
         queued = asyncio.create_task(session.post(url + "/v1/completions", json=long))
         deadline = time.monotonic() + 10
-        while await _busy(session, url) != (1, 1):
+        while await _busy(url) != (1, 1):
             assert time.monotonic() < deadline, "the second request never queued"
             await asyncio.sleep(0.01)
         async with session.post(url + "/v1/completions", json=long) as refused:
@@ -271,12 +224,12 @@ async def _fill_the_queue(server: ServerProcess) -> None:
             assert retry_after.isdigit() and int(retry_after) >= 1
             error = assert_error_body(await refused.json())
         assert error["type"] == "server_error" and error["code"] == "queue_full"
-        assert await _busy(session, url) == (1, 1)  # the refused request left no trace
+        assert await _busy(url) == (1, 1)  # the refused request left no trace
         assert not queued.done()  # still waiting for its whole (non-streamed) body
         running.close()  # both clients hang up: both requests are aborted
         queued.cancel()
         await asyncio.gather(queued, return_exceptions=True)
-        while await _busy(session, url) != (0, 0):
+        while await _busy(url) != (0, 0):
             assert time.monotonic() < deadline + 10, "the requests were never aborted"
             await asyncio.sleep(0.01)
 

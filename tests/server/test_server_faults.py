@@ -18,9 +18,8 @@ from engine.config import EngineArgs
 from server.app import create_app
 from server.config import ServerConfig
 from server.state import ENGINE
-from tests.support.server_process import assert_error_body
-
-PROMPT = "Hello there"
+from tests.support.api import PROMPT, assert_error_body
+from tests.support.waiting import wait_until
 
 
 def _in_process(tiny_llama_dir: Path,
@@ -28,11 +27,18 @@ def _in_process(tiny_llama_dir: Path,
                 **engine_args: Any) -> None:
     args = EngineArgs(model=str(tiny_llama_dir), kv_cache_memory_bytes=4 * 2**20,
                       **engine_args)
-    app = create_app(ServerConfig(), engine_factory=lambda: AsyncEngine.from_args(args))
+    engines: list[AsyncEngine] = []
+
+    def factory() -> AsyncEngine:
+        engines.append(AsyncEngine.from_args(args))
+        return engines[-1]
+
+    app = create_app(ServerConfig(), engine_factory=factory)
 
     async def main() -> None:
         async with TestClient(TestServer(app)) as client:
-            await body(client, app[ENGINE])
+            assert app[ENGINE] is engines[0]
+            await body(client, engines[0])
 
     asyncio.run(main())
 
@@ -125,14 +131,6 @@ async def _sse_events(resp: Any) -> list[str]:
     return [e for e in (await resp.read()).decode().split("\n\n") if e]
 
 
-async def _wait_for(condition: Callable[[], bool]) -> None:
-    for _ in range(2000):
-        if condition():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("timed out")
-
-
 def test_a_failed_step_fails_only_its_requests_over_sse(tiny_llama_dir: Path) -> None:
     """With one sequence running, a queued request is not in the failed step: it succeeds."""
     async def body(client: TestClient[Any, Any], engine: AsyncEngine) -> None:
@@ -142,7 +140,7 @@ def test_a_failed_step_fails_only_its_requests_over_sse(tiny_llama_dir: Path) ->
         first = await running.content.readline()  # a token: it is running
         assert first.startswith(b"data: {")
         queued = asyncio.ensure_future(client.post("/v1/completions", json=request))
-        await _wait_for(lambda: len(engine.engine.scheduler.waiting) == 1)
+        await wait_until(lambda: len(engine.engine.scheduler.waiting) == 1)
         failed = _fail_next_steps(engine, 1)
         events = await _sse_events(running)
         assert events[-1] == "data: [DONE]"
@@ -172,7 +170,7 @@ def test_a_failed_step_fails_only_its_requests_over_the_websocket(tiny_llama_dir
             message = await ws.receive_json(timeout=30)
             assert message["type"] == "delta" and message["id"] == "running", message
             await ws.send_json({**request, "id": "queued"})
-            await _wait_for(lambda: len(engine.engine.scheduler.waiting) == 1)
+            await wait_until(lambda: len(engine.engine.scheduler.waiting) == 1)
             failed = _fail_next_steps(engine, 1)
             ends: dict[str, dict[str, Any]] = {}
             while len(ends) < 2:

@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.server.test_server_errors import Reply, assert_error, assert_serves, http
-from tests.support.server_process import REPO, ServerProcess, assert_error_body, kvserve
+from tests.support.api import Reply, assert_error, assert_error_body, assert_serves, http
+from tests.support.server_process import REPO, ServerProcess, kvserve
 
 BODY_TIMEOUT_S = 2.0
 FAST_S = 10.0  # every refusal arrives well within this
@@ -154,6 +154,7 @@ def test_ten_megabyte_string_is_413(server: ServerProcess) -> None:
     assert_serves(server)
 
 
+@pytest.mark.slow  # waits out the body timeout
 def test_stalled_body_is_408(server: ServerProcess) -> None:
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1000\r\n\r\n")

@@ -11,8 +11,6 @@ while the long prompt was being prefilled.
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -21,15 +19,16 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.support.metrics import scrape
 from tests.support.server_process import ServerProcess, kvserve
 from tests.support.tiny_models import random_prompts
+from tests.support.ws import Socket
 
 MAX_NUM_BATCHED_TOKENS = 32
 NUM_CHUNKS = 24  # the long prompt needs at least this many steps to prefill
 LONG_PROMPT_LEN = NUM_CHUNKS * MAX_NUM_BATCHED_TOKENS
 MAX_MODEL_LEN = 1024
 VOCAB = 512
-TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +40,13 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
         yield srv
 
 
-async def iteration_histogram(session: aiohttp.ClientSession, url: str) -> dict[float, float]:
+async def iteration_histogram(url: str) -> dict[float, float]:
     """Bucket upper bound -> steps of kvserve:iteration_tokens_total (and -1.0 -> count)."""
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    buckets = {float(le): float(v) for le, v in re.findall(
-        r'^kvserve:iteration_tokens_total_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
-    count = re.search(r"^kvserve:iteration_tokens_total_count\{[^}]*\} (\S+)$", text, re.M)
-    assert count is not None and buckets, text
-    buckets[-1.0] = float(count.group(1))
+    page = await asyncio.to_thread(scrape, url)
+    buckets = page.buckets("iteration_tokens_total")
+    (count,) = page.find("iteration_tokens_total_count")
+    assert buckets, page.text
+    buckets[-1.0] = float(count.value)
     return buckets
 
 
@@ -59,39 +56,35 @@ def test_decode_keeps_streaming_while_a_long_prompt_prefills(server: ServerProce
 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
-            before = await iteration_histogram(session, server.url)
+            before = await iteration_histogram(server.url)
             async with session.ws_connect(server.url + "/v1/ws") as ws:
-                loop = asyncio.get_running_loop()
-                received: list[tuple[float, dict[str, Any]]] = []
+                sock = Socket(ws)
 
                 async def receive() -> dict[str, Any]:
-                    msg = await asyncio.wait_for(ws.receive(), TIMEOUT_S)
-                    assert msg.type == aiohttp.WSMsgType.TEXT, msg
-                    message = dict(json.loads(msg.data))
-                    received.append((loop.time(), message))
+                    message = await sock.receive()
                     assert message["type"] != "error", message
                     return message
 
-                await ws.send_str(json.dumps({
+                await sock.send({
                     "type": "completion", "id": "stream", "prompt": short_prompt,
                     "max_tokens": MAX_MODEL_LEN - len(short_prompt), "temperature": 0,
-                    "ignore_eos": True}))
-                while sum(m.get("id") == "stream" for _, m in received) < 3:
+                    "ignore_eos": True})
+                while sum(m.get("id") == "stream" for m in sock.messages) < 3:
                     await receive()  # streaming
-                await ws.send_str(json.dumps({
+                await sock.send({
                     "type": "completion", "id": "long", "prompt": long_prompt,
-                    "max_tokens": 4, "temperature": 0, "ignore_eos": True}))
-                await ws.send_str(json.dumps({"type": "ping"}))
+                    "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+                await sock.send({"type": "ping"})
                 while not any(m.get("id") == "long" and m["type"] == "done"
-                              for _, m in received):
+                              for m in sock.messages):
                     await receive()
-                await ws.send_str(json.dumps({"type": "cancel", "id": "stream"}))
+                await sock.send({"type": "cancel", "id": "stream"})
                 while not any(m.get("id") == "stream" and m["type"] == "done"
-                              for _, m in received):
+                              for m in sock.messages):
                     await receive()
-            after = await iteration_histogram(session, server.url)
+            after = await iteration_histogram(server.url)
 
-        messages = [m for _, m in received]
+        messages, times = sock.messages, sock.times
         pong = messages.index({"type": "pong"})
         first_long = next(i for i, m in enumerate(messages)
                           if m.get("id") == "long" and m["type"] == "delta")
@@ -105,9 +98,10 @@ def test_decode_keeps_streaming_while_a_long_prompt_prefills(server: ServerProce
                   if messages[i].get("id") == "stream" and messages[i]["type"] == "delta"]
         assert len(during) >= NUM_CHUNKS // 3, (len(during), first_long - pong)
         # In time: no gap between consecutive tokens of the stream spans the whole prefill.
-        t_pong, t_first = received[pong][0], received[first_long][0]
-        times = [t for t, m in received if m.get("id") == "stream" and m["type"] == "delta"]
-        spanning = [(a, b) for a, b in pairwise(times) if a <= t_pong and b >= t_first]
+        t_pong, t_first = times[pong], times[first_long]
+        stream_times = [t for t, m in zip(times, messages, strict=True)
+                        if m.get("id") == "stream" and m["type"] == "delta"]
+        spanning = [(a, b) for a, b in pairwise(stream_times) if a <= t_pong and b >= t_first]
         assert spanning == []
         # Every step stayed within the token budget, and the prefill took many steps.
         num_steps = after[-1.0] - before[-1.0]

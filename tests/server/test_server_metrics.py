@@ -10,75 +10,33 @@ import random
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.server_process import ServerProcess, kvserve
+from tests.support.api import post_json
+from tests.support.metrics import PREFIX, MetricsPage, scrape, wait_idle
+from tests.support.server_process import ServerProcess
 
-PREFIX = "kvserve:"
 NUM_CLIENTS = 50
 CHUNKS_BEFORE_HANGING_UP = 3
+IDLE_TIMEOUT_S = 10.0
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
-    with kvserve(tiny_llama_dir, log_dir=tmp_path_factory.mktemp("metrics_logs")) as proc:
-        yield proc
-
-
-class Scrape:
-    """One parsed /metrics page."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.families = {f.name: f for f in text_string_to_metric_families(text)}
-
-    def value(self, sample_name: str, **labels: str) -> float:
-        """The one sample with this name whose labels include `labels`; 0 if none yet."""
-        found = [s.value for f in self.families.values() for s in f.samples
-                 if s.name == PREFIX + sample_name and labels.items() <= s.labels.items()]
-        assert len(found) <= 1, (sample_name, labels)
-        return float(found[0]) if found else 0.0
-
-    def labels_of(self, sample_name: str) -> dict[str, str]:
-        (sample,) = [s for f in self.families.values() for s in f.samples
-                     if s.name == PREFIX + sample_name]
-        return dict(sample.labels)
-
-
-def scrape(server: ServerProcess) -> Scrape:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/plain")
-        return Scrape(resp.read().decode())
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    """The session's default server (tests/conftest.py)."""
+    return tiny_server
 
 
 def complete(server: ServerProcess, **body: Any) -> dict[str, Any]:
-    request = urllib.request.Request(server.url + "/v1/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as resp:
-        result: dict[str, Any] = json.load(resp)
+    result: dict[str, Any] = post_json(server, "/v1/completions", body)
     return result
 
 
-def wait_idle(server: ServerProcess, timeout: float = 10.0) -> Scrape:
-    """Polls /metrics until nothing runs, waits or holds a KV block."""
-    deadline = time.monotonic() + timeout
-    while True:
-        page = scrape(server)
-        busy = (page.value("num_requests_running"), page.value("num_requests_waiting"),
-                page.value("kv_cache_usage_perc"))
-        if busy == (0.0, 0.0, 0.0):
-            return page
-        assert time.monotonic() < deadline, f"still busy (running, waiting, usage) = {busy}"
-        time.sleep(0.05)
+def idle(server: ServerProcess) -> MetricsPage:
+    return wait_idle(server.url, IDLE_TIMEOUT_S)
 
 
 def fresh_prompt_ids(seed: int, length: int) -> list[int]:
@@ -99,7 +57,7 @@ HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds",
 
 def test_every_metric_name_is_exposed(server: ServerProcess) -> None:
     complete(server, prompt="Hello there", max_tokens=3, ignore_eos=True)
-    page = scrape(server)
+    page = scrape(server.url)
     types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", page.text, flags=re.M))
     assert all(name.startswith(PREFIX) for name in types), sorted(types)
     for name in GAUGES:
@@ -121,7 +79,7 @@ def test_every_metric_name_is_exposed(server: ServerProcess) -> None:
 
 
 def test_cache_config_info_matches_the_startup_log(server: ServerProcess) -> None:
-    info = scrape(server).labels_of("cache_config_info")
+    info = scrape(server.url).labels_of("cache_config_info")
     assert {"block_size", "num_gpu_blocks", "num_kv_cache_tokens", "max_concurrency"} <= \
         set(info)
     block_size, num_blocks = int(info["block_size"]), int(info["num_gpu_blocks"])
@@ -144,12 +102,12 @@ def test_cache_config_info_matches_the_startup_log(server: ServerProcess) -> Non
 # ---- counters move by what a request did --------------------------------------------------------
 
 def test_counters_move_by_one_requests_tokens(server: ServerProcess) -> None:
-    before = wait_idle(server)
+    before = idle(server)
     prompt = fresh_prompt_ids(seed=1, length=37)
     body = complete(server, prompt=prompt, max_tokens=9, ignore_eos=True, temperature=0.0)
     usage = body["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), 9)
-    after = wait_idle(server)
+    after = idle(server)
 
     def delta(name: str, **labels: str) -> float:
         return after.value(name, **labels) - before.value(name, **labels)
@@ -171,13 +129,13 @@ def test_counters_move_by_one_requests_tokens(server: ServerProcess) -> None:
 
 
 def test_prefix_cache_hits_on_a_repeated_prompt(server: ServerProcess) -> None:
-    block_size = int(scrape(server).labels_of("cache_config_info")["block_size"])
+    block_size = int(scrape(server.url).labels_of("cache_config_info")["block_size"])
     prompt = fresh_prompt_ids(seed=2, length=5 * block_size + 3)
-    before = wait_idle(server)
+    before = idle(server)
     complete(server, prompt=prompt, max_tokens=2)
-    middle = wait_idle(server)
+    middle = idle(server)
     complete(server, prompt=prompt, max_tokens=2)
-    after = wait_idle(server)
+    after = idle(server)
     hits_first = middle.value("prefix_cache_hits_total") - before.value("prefix_cache_hits_total")
     hits_second = after.value("prefix_cache_hits_total") - \
         middle.value("prefix_cache_hits_total")
@@ -216,21 +174,21 @@ async def _many_clients_hang_up(url: str) -> list[int]:
 
 
 def test_clients_hanging_up_free_everything(server: ServerProcess) -> None:
-    before = wait_idle(server)
+    before = idle(server)
     counts = asyncio.run(_many_clients_hang_up(server.url))
     assert counts == [CHUNKS_BEFORE_HANGING_UP] * NUM_CLIENTS
-    after = wait_idle(server)
+    after = idle(server)
     aborted = after.value("request_success_total", finished_reason="abort") - \
         before.value("request_success_total", finished_reason="abort")
     assert aborted == NUM_CLIENTS
     generated = after.value("generation_tokens_total") - before.value("generation_tokens_total")
     assert NUM_CLIENTS * CHUNKS_BEFORE_HANGING_UP <= generated < NUM_CLIENTS * 200
     time.sleep(0.3)  # nothing keeps generating for the clients that left
-    assert scrape(server).value("generation_tokens_total") == after.value(
+    assert scrape(server.url).value("generation_tokens_total") == after.value(
         "generation_tokens_total")
     body = complete(server, prompt="Hello there", max_tokens=4, ignore_eos=True)
     assert body["usage"]["completion_tokens"] == 4
-    wait_idle(server)
+    idle(server)
 
 
 async def _give_up_while_waiting(url: str, num_clients: int) -> None:
@@ -241,8 +199,8 @@ async def _give_up_while_waiting(url: str, num_clients: int) -> None:
         deadline = time.monotonic() + 10
         while True:  # every request has reached the engine
             async with session.get(url + "/metrics") as resp:
-                page = Scrape(await resp.text())
-            if page.value("num_requests_running") + page.value("num_requests_waiting") == \
+                page = MetricsPage(await resp.text())
+            if page["running"] + page["waiting"] == \
                     num_clients:
                 break
             assert time.monotonic() < deadline
@@ -254,9 +212,9 @@ async def _give_up_while_waiting(url: str, num_clients: int) -> None:
 
 def test_non_streamed_clients_giving_up_are_aborted(server: ServerProcess) -> None:
     num_clients = 20
-    before = wait_idle(server)
+    before = idle(server)
     asyncio.run(_give_up_while_waiting(server.url, num_clients))
-    after = wait_idle(server)
+    after = idle(server)
     aborted = after.value("request_success_total", finished_reason="abort") - \
         before.value("request_success_total", finished_reason="abort")
     assert aborted == num_clients

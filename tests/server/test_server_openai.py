@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.support.server_process import ServerProcess, kvserve
-from tests.support.tiny_models import GreedyTrace, english_sentences, hf_topk_greedy, load_hf_model
+from tests.support.api import openai_client, post_json
+from tests.support.greedy import GreedyTrace, hf_topk_greedy, load_hf_model
+from tests.support.server_process import ServerProcess
+from tests.support.tiny_models import english_sentences
 
 MAX_TOKENS = 12
 # Sentences whose greedy continuation ends on a whole character: the streamed text of a choice
@@ -30,15 +31,14 @@ EOS_CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Where
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
-    with kvserve(tiny_llama_dir, log_dir=tmp_path_factory.mktemp("openai_logs")) as proc:
-        yield proc
+def server(tiny_server: ServerProcess) -> ServerProcess:
+    """The session's default server (tests/conftest.py)."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +56,9 @@ def tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
-def post_json(server: ServerProcess, path: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as resp:
-        return json.load(resp)
-
-
 def prompt_ids(server: ServerProcess, **body: Any) -> list[int]:
     """The server's own tokenization of a prompt or of chat messages."""
-    ids: list[int] = post_json(server, "/tokenize", body)["tokens"]
+    ids: list[int] = post_json(server, "/tokenize", body, timeout=30)["tokens"]
     return ids
 
 

@@ -20,7 +20,9 @@ import pytest
 
 from loadtest.records import RequestRecord
 from loadtest.sse_client import StreamRequest, stream_request
-from tests.support.server_process import ServerProcess, assert_error_body, kvserve, wait_idle
+from tests.support.api import assert_error_body
+from tests.support.metrics import wait_idle
+from tests.support.server_process import ServerProcess, kvserve
 from tests.support.tiny_models import random_prompts
 
 MAX_MODEL_LEN = 128
@@ -63,6 +65,7 @@ async def send_all(url: str, requests: list[StreamRequest], concurrent: bool
         return [await stream_request(session, url, r, timeout_s=TIMEOUT_S) for r in requests]
 
 
+@pytest.mark.slow
 def test_preemption_storm_completes_every_request_with_unpressured_output(
         server: ServerProcess) -> None:
     prompts = random_prompts(512, NUM_REQUESTS, 16, 32, seed=7)

@@ -7,7 +7,6 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ import pytest
 
 from tests.support.server_process import ServerProcess, kvserve
 from tests.support.tiny_models import english_sentences
+from tests.support.waiting import wait_until
+from tests.support.ws import Socket
 
 NUM_STREAMS = 4
 TIMEOUT_S = 60.0
@@ -65,26 +66,6 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: st
     return stream
 
 
-class WebSocket:
-    """A client WebSocket that records the messages it receives."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse[bool]) -> None:
-        self.ws = ws
-        self.messages: list[dict[str, Any]] = []
-
-    async def send(self, message: dict[str, Any]) -> None:
-        await self.ws.send_str(json.dumps(message))
-
-    async def until(self, condition: Callable[[dict[str, Any]], bool]) -> None:
-        """Reads until a message satisfies `condition`."""
-        while True:
-            msg = await asyncio.wait_for(self.ws.receive(), TIMEOUT_S)
-            assert msg.type == aiohttp.WSMsgType.TEXT, msg
-            self.messages.append(json.loads(msg.data))
-            if condition(self.messages[-1]):
-                return
-
-
 async def start_streams(session: aiohttp.ClientSession, url: str, max_tokens: int
                         ) -> tuple[list[Stream], list[asyncio.Task[Stream]]]:
     """Starts NUM_STREAMS streamed completions and waits until each has a token."""
@@ -92,16 +73,9 @@ async def start_streams(session: aiohttp.ClientSession, url: str, max_tokens: in
     tasks = [asyncio.create_task(stream_completion(session, url, english_sentences(1, seed=i)[0],
                                                    max_tokens, s))
              for i, s in enumerate(streams)]
-    await wait_for(lambda: all(len(s.chunks) >= 2 for s in streams), "streams to start")
+    await wait_until(lambda: all(len(s.chunks) >= 2 for s in streams), "streams to start",
+                     timeout=20.0)
     return streams, tasks
-
-
-async def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def wait_health(session: aiohttp.ClientSession, url: str, status: int,
@@ -132,7 +106,7 @@ def test_sigterm_drains_requests_in_flight(tiny_llama_dir: Path,
     async def main(server: ServerProcess) -> tuple[list[Stream], list[dict[str, Any]]]:
         async with aiohttp.ClientSession() as session, \
                 session.ws_connect(server.url + "/v1/ws") as ws:
-            socket = WebSocket(ws)
+            socket = Socket(ws)
             await socket.send({"type": "completion", "id": "old", "prompt": "hello there",
                                "max_tokens": max_tokens, "temperature": 0,
                                "ignore_eos": True})

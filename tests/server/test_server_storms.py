@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from loadtest.sse_client import SSEParser, StreamRequest, build_body, stream_request
 from loadtest.ws_client import WSClient
-from tests.support.server_process import kvserve, wait_idle
+from tests.support.metrics import wait_idle
+from tests.support.server_process import ServerProcess, kvserve
 from tests.support.tiny_models import english_sentences
 
 NUM_STREAMS = int(os.environ.get("KVSERVE_STORM_STREAMS", "200"))
@@ -147,17 +149,20 @@ async def storm(url: str, num_streams: int) -> dict[str, int]:
     return counts
 
 
-def test_disconnect_storm_leaves_nothing_behind(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    with kvserve(tiny_llama_dir, log_dir=tmp_path) as server:
-        before = greedy_texts(server.url)
-        wait_idle(server.url)
-        counts = asyncio.run(storm(server.url, NUM_STREAMS))
-        assert sum(counts.values()) == NUM_STREAMS and all(counts.values()), counts
-        page = wait_idle(server.url)
-        assert page["kv_cache_usage"] == 0.0
-        assert greedy_texts(server.url) == before
-        wait_idle(server.url)
-        assert server.proc.poll() is None
+@pytest.mark.slow
+def test_disconnect_storm_leaves_nothing_behind(tiny_server: ServerProcess) -> None:
+    """On the session's default server (tests/conftest.py): the storm must leave it as it
+    found it, for whichever test comes next."""
+    server = tiny_server
+    before = greedy_texts(server.url)
+    wait_idle(server.url)
+    counts = asyncio.run(storm(server.url, NUM_STREAMS))
+    assert sum(counts.values()) == NUM_STREAMS and all(counts.values()), counts
+    page = wait_idle(server.url)
+    assert page["kv_cache_usage"] == 0.0
+    assert greedy_texts(server.url) == before
+    wait_idle(server.url)
+    assert server.proc.poll() is None
 
 
 # ---- overload -----------------------------------------------------------------------------------
@@ -200,6 +205,7 @@ def check_round(results: list[tuple[int, float, str, int]]) -> None:
     assert slowest_refusal < max(r[1] for r in ok) / 2, "refused only once the work was done"
 
 
+@pytest.mark.slow
 def test_overload_refuses_past_the_queue_and_memory_stays_flat(tiny_llama_dir: Path,
                                                                tmp_path: Path) -> None:
     num_requests = OVERLOAD_FACTOR * (MAX_NUM_SEQS + MAX_QUEUE_LEN)

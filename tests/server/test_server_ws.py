@@ -5,73 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.support.server_process import ServerProcess, kvserve
+from tests.support.metrics import MetricsPage, scrape, wait_idle
+from tests.support.server_process import MAX_BODY_BYTES, ServerProcess
 from tests.support.tiny_models import english_sentences
+from tests.support.ws import RECEIVE_TIMEOUT_S, Socket
 
-MAX_BODY_BYTES = 65536
-TIMEOUT_S = 60.0
+IDLE_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerProcess]:
-    with kvserve(tiny_llama_dir, "--max-body-bytes", str(MAX_BODY_BYTES),
-                 log_dir=tmp_path_factory.mktemp("ws")) as srv:
-        yield srv
-
-
-class Socket:
-    """A client WebSocket that records every message it receives, in order."""
-
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse[bool]) -> None:
-        self.ws = ws
-        self.messages: list[dict[str, Any]] = []
-
-    async def send(self, message: dict[str, Any]) -> None:
-        await self.ws.send_str(json.dumps(message))
-
-    async def receive(self) -> dict[str, Any]:
-        msg = await asyncio.wait_for(self.ws.receive(), TIMEOUT_S)
-        assert msg.type == aiohttp.WSMsgType.TEXT, msg
-        message = json.loads(msg.data)
-        self.messages.append(message)
-        return dict(message)
-
-    async def until_finished(self, ids: set[Any]) -> None:
-        """Reads until every id in `ids` got its done (or error) message."""
-        pending = set(ids)
-        while pending:
-            message = await self.receive()
-            if message["type"] in ("done", "error") and message.get("id") in pending:
-                pending.discard(message["id"])
-
-    async def until_deltas(self, request_id: Any, count: int) -> None:
-        while len(self.deltas(request_id)) < count:
-            await self.receive()
-
-    def deltas(self, request_id: Any) -> list[dict[str, Any]]:
-        return [m["data"] for m in self.messages
-                if m["type"] == "delta" and m["id"] == request_id]
-
-    def done(self, request_id: Any) -> dict[str, Any]:
-        """The one done message of an id; no delta of it may follow."""
-        indices = [i for i, m in enumerate(self.messages)
-                   if m["type"] == "done" and m["id"] == request_id]
-        assert len(indices) == 1, f"{request_id}: {len(indices)} done messages"
-        later = [m for m in self.messages[indices[0] + 1:] if m.get("id") == request_id]
-        assert later == [], f"{request_id}: messages after done: {later}"
-        return self.messages[indices[0]]
-
-    def errors(self) -> list[dict[str, Any]]:
-        return [m for m in self.messages if m["type"] == "error"]
+def server(capped_server: ServerProcess) -> ServerProcess:
+    """The session's server with a 64 KiB body and message cap (tests/server/conftest.py)."""
+    return capped_server
 
 
 def completion_request(i: int, max_tokens: int) -> dict[str, Any]:
@@ -115,29 +65,18 @@ async def http_post(session: aiohttp.ClientSession, url: str, kind: str,
         return dict(await resp.json())
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """The unlabelled-by-reason kvserve gauges and counters from /metrics."""
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    values = {}
-    for name, labels, value in re.findall(r"^kvserve:(\w+)\{([^}]*)\} (\S+)$", text, re.M):
-        reason = re.search(r'finished_reason="(\w+)"', labels)
-        values[f"{name}:{reason.group(1)}" if reason else name] = float(value)
-    return values
+async def metrics(url: str) -> MetricsPage:
+    return await asyncio.to_thread(scrape, url)
 
 
-async def wait_idle(session: aiohttp.ClientSession, url: str, timeout: float = 5.0
-                    ) -> dict[str, float]:
-    """Polls /metrics until nothing runs or waits and the KV cache is empty."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        values = await scrape(session, url)
-        if values["num_requests_running"] == values["num_requests_waiting"] == 0 and \
-                values["kv_cache_usage_perc"] == 0:
-            return values
-        assert loop.time() < deadline, f"still busy after {timeout} s: {values}"
-        await asyncio.sleep(0.05)
+async def idle(url: str, timeout: float = IDLE_TIMEOUT_S) -> MetricsPage:
+    """Waits until nothing runs or waits and the KV cache is empty."""
+    return await asyncio.to_thread(wait_idle, url, timeout)
+
+
+def aborted(page: MetricsPage) -> float:
+    """Requests finished by abort so far."""
+    return page.value("request_success_total", finished_reason="abort")
 
 
 def num_runs(ids: list[Any]) -> int:
@@ -177,7 +116,7 @@ def test_twenty_requests_interleave_and_match_http(server: ServerProcess) -> Non
             assert num_runs(order) >= 5 * len(requests)
             first_done = next(i for i, m in enumerate(sock.messages) if m["type"] == "done")
             assert {m["id"] for m in sock.messages[:first_done]} == set(requests)
-            await wait_idle(session, server.url)
+            await idle(server.url)
 
     asyncio.run(main())
 
@@ -187,7 +126,7 @@ def test_cancel_stops_one_request_and_the_others_go_on(server: ServerProcess) ->
 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
-            before = await scrape(session, server.url)
+            before = await metrics(server.url)
             async with session.ws_connect(server.url + "/v1/ws") as ws:
                 sock = Socket(ws)
                 await sock.send({"type": "completion", "id": "victim",
@@ -196,13 +135,13 @@ def test_cancel_stops_one_request_and_the_others_go_on(server: ServerProcess) ->
                     body = (chat_request if kind == "chat" else completion_request)(1, num)
                     await sock.send({"type": kind, "id": request_id, **body})
                 await sock.until_deltas("victim", 5)
-                running = await scrape(session, server.url)
-                assert running["num_requests_running"] >= 1
-                assert running["kv_cache_usage_perc"] > 0
+                running = await metrics(server.url)
+                assert running["running"] >= 1
+                assert running["kv_cache_usage"] > 0
                 await sock.send({"type": "cancel", "id": "victim"})
                 await sock.until_finished({"victim"})
                 await sock.until_finished(set(others))
-                after = await wait_idle(session, server.url, timeout=2.0)
+                after = await idle(server.url, timeout=2.0)
                 # The socket still takes requests.
                 await sock.send({"type": "completion", "id": "again",
                                  **completion_request(2, 3)})
@@ -216,8 +155,7 @@ def test_cancel_stops_one_request_and_the_others_go_on(server: ServerProcess) ->
                 assert done["finish_reasons"] == ["length"]
                 assert done["usage"]["completion_tokens"] == num
             assert sock.done("again")["usage"]["completion_tokens"] == 3
-            assert after["request_success_total:abort"] - \
-                before.get("request_success_total:abort", 0) == 1
+            assert aborted(after) - aborted(before) == 1
             assert sock.errors() == []
 
     asyncio.run(main())
@@ -228,7 +166,7 @@ def test_closing_the_socket_aborts_its_requests(server: ServerProcess) -> None:
 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
-            before = await scrape(session, server.url)
+            before = await metrics(server.url)
             async with session.ws_connect(server.url + "/v1/ws") as ws:
                 sock = Socket(ws)
                 for i, request_id in enumerate(ids):
@@ -236,15 +174,14 @@ def test_closing_the_socket_aborts_its_requests(server: ServerProcess) -> None:
                                      **completion_request(10 + i, 1000)})
                 for request_id in ids:
                     await sock.until_deltas(request_id, 2)
-                busy = await scrape(session, server.url)
-                assert busy["num_requests_running"] == len(ids)
-                assert busy["kv_cache_usage_perc"] > 0
-            after = await wait_idle(session, server.url, timeout=5.0)
-            aborted = after["request_success_total:abort"] - \
-                before.get("request_success_total:abort", 0)
-            assert aborted == len(ids)
+                busy = await metrics(server.url)
+                assert busy["running"] == len(ids)
+                assert busy["kv_cache_usage"] > 0
+            after = await idle(server.url)
+            assert aborted(after) - aborted(before) == len(ids)
             # Aborted, not finished: far fewer tokens than 3 x 1000 were generated.
-            generated = after["generation_tokens_total"] - before["generation_tokens_total"]
+            generated = after.value("generation_tokens_total") - \
+                before.value("generation_tokens_total")
             assert generated < len(ids) * 1000 // 2
 
     asyncio.run(main())
@@ -301,7 +238,7 @@ def test_bad_messages_get_errors_and_the_socket_keeps_working(server: ServerProc
                 replies.append(await sock.receive())
             assert {"type": "pong"} in replies
             assert replies[-1]["id"] == "dup" and replies[-1]["usage"]["completion_tokens"] == 2
-            await wait_idle(session, server.url)
+            await idle(server.url)
 
     asyncio.run(main())
 
@@ -312,7 +249,7 @@ def test_oversized_message_closes_with_1009(server: ServerProcess) -> None:
             async with session.ws_connect(server.url + "/v1/ws") as ws:
                 await ws.send_str(json.dumps({"type": "completion", "id": "big",
                                               "prompt": "a" * MAX_BODY_BYTES}))
-                msg = await asyncio.wait_for(ws.receive(), TIMEOUT_S)
+                msg = await asyncio.wait_for(ws.receive(), RECEIVE_TIMEOUT_S)
                 assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), msg
                 assert ws.close_code == 1009
             # The server keeps serving: health, a fresh socket, HTTP.
@@ -331,7 +268,7 @@ def test_oversized_message_closes_with_1009(server: ServerProcess) -> None:
                 assert sock.done("ok")["usage"]["completion_tokens"] == 2
             body = await http_post(session, server.url, "completion", completion_request(6, 3))
             assert body["usage"]["completion_tokens"] == 3
-            await wait_idle(session, server.url)
+            await idle(server.url)
         assert server.proc.poll() is None
 
     asyncio.run(main())

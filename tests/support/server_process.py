@@ -1,116 +1,68 @@
-"""Runs a real `kvserve serve` process for end-to-end tests and waits until it is ready."""
+"""Runs a real `kvserve serve` process for end-to-end tests and waits until it is ready.
+
+Built on the project's one server subprocess wrapper, loadtest/serve_process.py (command line,
+process group, readiness, SIGTERM-then-SIGKILL stop); this module only adds the tests'
+defaults: one torch thread, a log file per server, and a context manager.
+"""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+
+from engine.config import EngineArgs
+from loadtest.serve_process import (
+    RunningServer,
+    kvserve_spec,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    """A port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+NUM_THREADS = 1  # torch threads per server: the suite runs on 2 cores next to its servers
+# --max-body-bytes of the session's capped server (tests/server/conftest.py): small enough that
+# a test crosses it cheaply, over HTTP and as a WebSocket message.
+MAX_BODY_BYTES = 65536
 
 
 class ServerProcess:
     """A started server: its URL, process and log file."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
-        self.proc = proc
-        self.port = port
-        self.log_path = log_path
-        self.url = f"http://127.0.0.1:{port}"
+    def __init__(self, running: RunningServer) -> None:
+        self.running = running
+        self.proc = running.proc
+        self.port = running.spec.port
+        self.url = running.spec.base_url
+        self.log_path = running.spec.log_path
 
     def log(self) -> str:
         """Everything the server wrote so far."""
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        """Polls /health until 200; fails with the log tail if the process dies."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvserve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
-        raise TimeoutError(f"kvserve did not become ready in {timeout} s:\n{self.log()}")
-
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self) -> int | None:
         """SIGTERM, then SIGKILL if it does not exit; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return int(self.proc.returncode)
+        return stop_server(self.running)
 
 
 @contextmanager
 def kvserve(model: Path | str, *flags: str, log_dir: Path) -> Iterator[ServerProcess]:
-    """Starts `kvserve serve MODEL FLAGS...` on a free port; stops it on exit."""
-    port = free_port()
-    log_path = log_dir / f"kvserve-{port}.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", str(model), "--port", str(port),
-           "--num-threads", "1", *flags]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    server = ServerProcess(proc, port, log_path)
+    """Starts `kvserve serve MODEL FLAGS...` on a free port; stops it on exit.
+
+    `--max-num-seqs` is passed at the engine's default unless FLAGS set it (the later flag
+    wins); each server logs to its own `kvserve-PORT.log` in `log_dir`.
+    """
+    spec = kvserve_spec(Path(model), NUM_THREADS, EngineArgs().max_num_seqs, log_dir,
+                        list(flags))
+    spec = dataclasses.replace(spec, log_path=log_dir / f"kvserve-{spec.port}.log")
+    running = start_server(spec)
+    server = ServerProcess(running)
     try:
-        server.wait_ready()
+        key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
+        wait_ready(running, STARTUP_TIMEOUT_S, api_key=key)
         yield server
     finally:
         server.stop()
-
-
-def assert_error_body(body: Any, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape: exactly message, type, param and code under "error"."""
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    if param is not None:
-        assert error["param"] == param
-    return dict(error)
-
-
-def server_metrics(url: str) -> dict[str, float | None]:
-    """The server's /metrics page, parsed by the load harness (running, waiting,
-    kv_cache_usage, preemptions, prefix-cache counters)."""
-    from loadtest.scrape import parse_metrics
-
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        return parse_metrics(resp.read().decode())
-
-
-def wait_idle(url: str, timeout: float = 15.0) -> dict[str, float | None]:
-    """Polls /metrics until nothing runs or waits and KV usage is exactly 0 (the gauge is
-    1 - free / total blocks, so 0.0 means every block is free); returns that page."""
-    deadline = time.monotonic() + timeout
-    while True:
-        page = server_metrics(url)
-        busy = (page["running"], page["waiting"], page["kv_cache_usage"])
-        if busy == (0.0, 0.0, 0.0):
-            return page
-        assert time.monotonic() < deadline, f"still busy (running, waiting, usage) = {busy}"
-        time.sleep(0.05)

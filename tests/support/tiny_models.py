@@ -1,4 +1,5 @@
-"""Tiny, locally built Hugging Face checkpoints and the HF oracles that tests compare against.
+"""Tiny, locally built Hugging Face checkpoints and the prompts tests send them (the HF oracles
+that tests compare against are in greedy.py).
 
 Nothing here touches the network: the tokenizer is a byte-level BPE trained in about a second on a
 seeded English-like corpus, and the models are random-weight Llama / Qwen2 checkpoints written with
@@ -15,7 +16,7 @@ import functools
 import json
 import random
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -227,105 +228,3 @@ def random_prompts(
     lengths = [min_len + (i * span) // max(n - 1, 1) for i in range(n)]
     rng.shuffle(lengths)
     return [[rng.choice(allowed_ids) for _ in range(length)] for length in lengths]
-
-
-def load_hf_model(
-    model_dir_or_model: str | Path | PreTrainedModel,
-    dtype: torch.dtype = torch.float32,
-    **from_pretrained_kwargs: Any,
-) -> PreTrainedModel:
-    """Loads a local checkpoint on CPU in eval mode (offline), or passes a loaded model through."""
-    if isinstance(model_dir_or_model, PreTrainedModel):
-        return model_dir_or_model.eval()
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir_or_model, dtype=dtype, local_files_only=True, **from_pretrained_kwargs)
-    return model.eval()
-
-
-class GreedyTrace(NamedTuple):
-    """One prompt's greedy continuation and, per generated position, the k best candidates."""
-
-    token_ids: list[int]
-    topk_ids: list[list[int]]
-    topk_logprobs: list[list[float]]
-
-    def top2_gaps(self) -> list[float]:
-        """Per generated position, HF's top-1 minus top-2 logprob (needs k >= 2)."""
-        return [row[0] - row[1] for row in self.topk_logprobs]
-
-
-def _eos_ids(model: PreTrainedModel) -> set[int]:
-    """The eos ids generate stops on, from the model's generation config."""
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        return set()
-    return set(eos) if isinstance(eos, list) else {eos}
-
-
-def _truncate_after_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
-    """Keeps tokens up to and including the first eos (generate pads after it)."""
-    for i, token_id in enumerate(token_ids):
-        if token_id in eos_ids:
-            return token_ids[: i + 1]
-    return token_ids
-
-
-@torch.no_grad()
-def _generate_one(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> Any:
-    """Runs transformers' greedy `generate` for one unpadded prompt, keeping the raw logits."""
-    input_ids = torch.tensor([prompt], dtype=torch.long)  # [1, prompt_len]
-    pad_id = model.generation_config.pad_token_id
-    if pad_id is None:
-        pad_id = next(iter(_eos_ids(model)), 0)
-    # transformers' annotations make mypy see `generate` as a Tensor; the call itself is fine.
-    return cast(Any, model).generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-        do_sample=False, num_beams=1, pad_token_id=pad_id, return_dict_in_generate=True,
-        output_logits=True, temperature=None, top_p=None, top_k=None)
-
-
-def hf_topk_greedy(
-    model_dir_or_model: str | Path | PreTrainedModel,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    k: int = 5,
-    **from_pretrained_kwargs: Any,
-) -> list[GreedyTrace]:
-    """Greedy `generate` per prompt, with the top-k ids and logprobs at each generated position.
-
-    Extra kwargs go to `from_pretrained` (e.g. `gguf_file=...`, `dtype=torch.bfloat16`).
-    """
-    model = load_hf_model(model_dir_or_model, **from_pretrained_kwargs)
-    eos_ids = _eos_ids(model)
-    traces = []
-    for prompt in prompts:
-        out = _generate_one(model, prompt, max_new_tokens)
-        token_ids = _truncate_after_eos(out.sequences[0, len(prompt):].tolist(), eos_ids)
-        logits = torch.cat(out.logits[: len(token_ids)]).float()  # [num_generated, vocab]
-        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-        traces.append(GreedyTrace(token_ids, top.indices.tolist(), top.values.tolist()))
-    return traces
-
-
-def hf_greedy(
-    model_dir_or_model: str | Path | PreTrainedModel,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    dtype: torch.dtype = torch.float32,
-) -> list[list[int]]:
-    """Greedy `generate` one prompt at a time; returns only generated ids (eos kept if hit)."""
-    traces = hf_topk_greedy(model_dir_or_model, prompts, max_new_tokens, k=1, dtype=dtype)
-    return [trace.token_ids for trace in traces]
-
-
-@torch.no_grad()
-def hf_logprobs(
-    model_dir_or_model: str | Path | PreTrainedModel, sequences: list[list[int]]
-) -> list[torch.Tensor]:
-    """Per sequence, float32 log_softmax of the logits at every position: [seq_len, vocab]."""
-    model = load_hf_model(model_dir_or_model)
-    results = []
-    for sequence in sequences:
-        logits = model(torch.tensor([sequence], dtype=torch.long)).logits[0]  # [seq_len, vocab]
-        results.append(torch.log_softmax(logits.float(), dim=-1))
-    return results

@@ -1,15 +1,11 @@
-"""The offline benchmark's options and targets: `BenchConfig` and the module-wide constants."""
+"""The offline benchmark's options, shared by its runs (kvserve and transformers) and report."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-THROUGHPUT_TARGET = 10.0  # kvserve / generate_batch
-ROOFLINE_TARGET = 0.50  # achieved / roofline at 64 sequences
-BATCH1_TARGET = 0.85  # achieved / bandwidth floor at batch 1
-QUIET_CORES = 0.25  # other processes busier than this make a timing suspect
-GIB = 1024**3
+from loadtest.benchmarks.machine import GIB
 
 
 @dataclass

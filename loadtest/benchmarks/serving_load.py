@@ -1,22 +1,13 @@
-"""Serving benchmark: `kvserve serve` vs. `transformers serve --continuous-batching`.
-
-Run as `python -m loadtest.bench_serve [--concurrency 16 64] [--only kvserve|peer]`, or
-`python -m loadtest.bench_serve --setup-peer` once to build the peer's venv (.venv-bench).
-Both servers serve the same float32 HF export of the embedded SmolLM2-135M-Instruct
-(`loadtest.hf_export`), one after the other on 127.0.0.1, each on a fresh free port. Each
-gets the same seeded chat prompts at each fixed concurrency (streamed, greedy, EOS ignored
-so every request makes exactly --max-tokens tokens) after a short warm-up. Prints a table
-and the kvserve / transformers ratios; writes markdown and JSON (docs/ when both ran).
-"""
+"""The serving benchmark's measurement: seeded chat workloads, both servers started in turn,
+every load level driven through the load harness, CPU accounting and the compute ceiling.
+The command line and the page are in `loadtest.benchmarks.serving`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import gc
-import os
 import random
 import shlex
 import sys
@@ -24,21 +15,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from loadtest.bench_machine import (
-    cpu_model,
+from loadtest.benchmarks.common import spread_lengths
+from loadtest.benchmarks.hf_export import export_smollm2
+from loadtest.benchmarks.machine import (
     cpu_seconds,
+    environment,
     matmul_gflops,
     other_cores,
     wait_for_quiet,
 )
-from loadtest.bench_offline import spread_lengths
-from loadtest.bench_serve_report import ceiling_tok_s, render, verdicts
+from loadtest.benchmarks.serving_report import ceiling_tok_s, verdicts
 from loadtest.datasets import Prompt
-from loadtest.hf_export import DEFAULT_EXPORT_DIR, export_smollm2
 from loadtest.results import build_result, write_result
-from loadtest.runner import LoadConfig, LoadRun, run_load
+from loadtest.runner import LoadConfig, LoadRun, run_fixed_concurrency, run_load
 from loadtest.serve_process import (
     ROOT,
     RunningServer,
@@ -46,12 +35,11 @@ from loadtest.serve_process import (
     kvserve_spec,
     peer_spec,
     process_tree_cpu_seconds,
-    setup_peer_venv,
     start_server,
     stop_server,
     wait_ready,
 )
-from loadtest.sse_client import StreamRequest, run_fixed_concurrency
+from loadtest.sse_client import StreamRequest
 from loadtest.stats import summarize
 
 RESULTS = ROOT / "results"
@@ -98,43 +86,6 @@ def make_requests(chats: Sequence[list[dict[str, str]]], model_id: str, max_toke
             for chat in chats]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--setup-peer", action="store_true",
-                   help="create .venv-bench with transformers[serving] and exit")
-    p.add_argument("--only", choices=["kvserve", "peer"])
-    p.add_argument("--concurrency", type=int, nargs="*", default=[16, 64])
-    p.add_argument("--request-rates", type=float, nargs="*", default=[],
-                   help="also run Poisson arrivals at these rates (requests/s)")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per level (default: 2 x concurrency; 64 for a rate)")
-    p.add_argument("--peer-num-requests", type=int, default=None,
-                   help="requests per level for transformers (default: as --num-requests)")
-    p.add_argument("--min-input", type=int, default=32, help="fewest user-message tokens")
-    p.add_argument("--max-input", type=int, default=128, help="most user-message tokens")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at EOS (output lengths then differ)")
-    p.add_argument("--server-threads", type=int, default=2,
-                   help="torch threads of the server (client and server share the cores)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=4, help="warm-up requests before measuring")
-    p.add_argument("--time-limit", type=float, default=300.0,
-                   help="seconds after which a level starts no new request")
-    p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--ready-timeout", type=float, default=300.0)
-    p.add_argument("--wait-quiet", type=float, default=120.0, metavar="SECONDS",
-                   help="before each server, wait up to this long for other processes to idle")
-    p.add_argument("--model", type=Path, default=DEFAULT_EXPORT_DIR,
-                   help="HF folder both servers load (exported from the GGUF if missing)")
-    p.add_argument("--kvserve-args", default="", help="extra kvserve serve flags, one string")
-    p.add_argument("--peer-args", default="", help="extra transformers serve flags")
-    p.add_argument("--json", dest="json_path", type=Path, default=None)
-    p.add_argument("--markdown", dest="markdown_path", type=Path, default=None)
-    return p.parse_args(argv)
-
-
 def server_specs(ns: argparse.Namespace) -> list[ServerSpec]:
     """The servers to run, kvserve first."""
     specs = []
@@ -159,10 +110,12 @@ class Level:
 
     @property
     def label(self) -> str:
+        """"c=16" or "rate=1/s"."""
         return f"c={self.concurrency}" if self.rate is None else f"rate={self.rate:g}/s"
 
 
 def levels(ns: argparse.Namespace) -> list[Level]:
+    """Every load level of the command line: the concurrencies, then the rates."""
     return ([Level(concurrency=c) for c in ns.concurrency]
             + [Level(rate=r) for r in ns.request_rates])
 
@@ -174,6 +127,7 @@ def requests_for(ns: argparse.Namespace, spec: ServerSpec, level: Level) -> int:
 
 
 def load_config(ns: argparse.Namespace, server: RunningServer, level: Level) -> LoadConfig:
+    """The harness's settings for one level against one server."""
     return LoadConfig(url=server.spec.base_url, max_concurrency=level.concurrency,
                       request_rate=level.rate or float("inf"), seed=ns.seed,
                       duration_s=ns.time_limit, request_timeout_s=ns.request_timeout,
@@ -209,7 +163,7 @@ def measure_level(ns: argparse.Namespace, server: RunningServer, model_id: str,
                                            if r.usage_reported and r.prompt_tokens])
     summary.update(_cpu_split(before, after, server_before, server_after, run.duration_s))
     label = f"{server.spec.name} {level.label}"
-    path = RESULTS / f"bench_serve_{server.spec.name}_{level.label.replace('/', '')}.json"
+    path = RESULTS / f"serving_{server.spec.name}_{level.label.replace('/', '')}.json"
     config = {"url": server.spec.base_url, "transport": "sse", "endpoint": "chat",
               "model": model_id, "dataset": "chat", "num_prompts": len(prompts),
               "request_rate": level.rate or float("inf"), "max_concurrency": level.concurrency}
@@ -267,16 +221,6 @@ def _short(s: dict[str, Any]) -> str:
             f"TTFT p99 {s['ttft_p99_ms'] or 0:.0f} ms, ITL p99 {s['itl_p99_ms'] or 0:.0f} ms")
 
 
-def environment(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    """Machine, versions, threads and the command that produced the report."""
-    import torch
-    import transformers
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "server_threads": ns.server_threads,
-            "command": "python -m loadtest.bench_serve " + shlex.join(argv)}
-
-
 def compute_ceiling(ns: argparse.Namespace, model: Path, servers: Sequence[dict[str, Any]]
                     ) -> dict[str, Any] | None:
     """The workload's output tok/s at the machine's matmul peak (measured now, with the
@@ -309,34 +253,14 @@ def measure(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     for spec in server_specs(ns):
         try:
             servers.append(run_server(ns, spec, tokenizer))
-        except (RuntimeError, TimeoutError) as exc:  # report it, still run the other side
+        except (RuntimeError, TimeoutError, OSError) as exc:  # report it, run the other
             print(f"[{spec.name}] FAILED: {exc}", file=sys.stderr, flush=True)
             servers.append({"name": spec.name, "command": spec.command_line(),
                             "log": str(spec.log_path), "levels": [], "error": str(exc)})
         gc.collect()
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()}
-    report: dict[str, Any] = {"config": config, "env": environment(ns, argv), "servers": servers}
+    env = environment(ns.server_threads, "python -m loadtest.benchmarks.serving " + shlex.join(argv))
+    report: dict[str, Any] = {"config": config, "env": env, "servers": servers}
     report["ceiling"] = compute_ceiling(ns, model, servers)
     report["verdicts"] = verdicts(report)
     return report
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ns = parse_args(argv)
-    if ns.setup_peer:
-        setup_peer_venv()
-        return
-    report = measure(ns, argv)
-    text = render(report)
-    print(text)
-    suffix = "" if ns.only is None else f"_{ns.only}"
-    base = ROOT / "docs" if ns.only is None else RESULTS
-    (ns.json_path or base / f"bench_serve{suffix}.json").write_bytes(
-        orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    (ns.markdown_path or base / f"bench_serve{suffix}.md").write_text(text)
-
-
-if __name__ == "__main__":
-    main()

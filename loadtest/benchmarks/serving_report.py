@@ -1,12 +1,12 @@
 """The serving benchmark's report: the results table, kvserve / transformers ratios, the
-target verdicts and the markdown page (docs/bench_serve.md)."""
+target verdicts, the compute ceiling, warnings and notes on the peer."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from loadtest.bench_config import QUIET_CORES
-from loadtest.bench_report import format_table, ratio
+from loadtest.benchmarks.common import format_table, ratio
+from loadtest.benchmarks.machine import QUIET_CORES
 
 THROUGHPUT_TARGET = 10.0  # kvserve output tok/s over transformers serve's, per level
 PEER_NAME = "transformers"
@@ -124,40 +124,10 @@ def ceiling_lines(report: dict[str, Any]) -> list[str]:
     if not ceiling:
         return []
     peer = _levels(report, PEER_NAME)
-    need = ", ".join(f"c={c}: {THROUGHPUT_TARGET * lv['output_tok_s']:.0f}"
-                     for c, lv in sorted(peer.items()))
+    need = ", ".join(f"{level}: {THROUGHPUT_TARGET * lv['output_tok_s']:.0f}"
+                     for level, lv in sorted(peer.items()))
     return [f"Compute ceiling of this workload: {ceiling['tok_s']:.0f} output tok/s (linear "
             f"layers only at the measured float32 matmul peak of {ceiling['peak_gflops']:.0f} "
             f"GFLOP/s, {ceiling['prompt_tokens']:.0f} prompt + {ceiling['output_tokens']} "
             f"output tokens a request, attention not counted)"
             + (f"; 10x transformers would need {need}" if need else "")]
-
-
-def render(report: dict[str, Any]) -> str:
-    """The whole report as markdown (also what gets printed)."""
-    env, cfg = report["env"], report["config"]
-    commands = [f"    {s['name']}: {s['command']}" for s in report["servers"]]
-    parts = [
-        "## Serving benchmark: kvserve vs. transformers serve --continuous-batching",
-        f"date {env['date']}; cpu {env['cpu']}; {env['cpu_count']} cores shared by server "
-        f"and client; server threads {env['server_threads']}; torch {env['torch']}, "
-        f"transformers {env['transformers']}",
-        f"workload: streamed chat completions of SmolLM2-135M-Instruct (the same float32 HF "
-        f"folder for both), user messages {cfg['min_input']}..{cfg['max_input']} tokens "
-        f"(seeded, {cfg['seed']}) plus the chat template's system prompt, "
-        f"{cfg['max_tokens']} output tokens each, temperature 0, "
-        f"EOS {'ignored' if cfg['ignore_eos'] else 'honoured'}; requests per level: "
-        f"{cfg['num_requests'] or '2 x concurrency, 64 at a Poisson rate'} (transformers: "
-        f"{cfg['peer_num_requests'] or 'the same'}); {cfg['warmup']} warm-up requests first",
-        "### Results", results_table(report),
-        "TTFT: to the first content chunk. ITL: gaps between later content chunks, pooled "
-        "over requests. Output tok/s: usage tokens of successful requests / level wall time. "
-        "Server CPU: the server's process tree; others: all other processes but this client.",
-    ]
-    if report["verdicts"]:
-        parts += ["### kvserve / transformers (target: >= 10x output tok/s, lower p99 TTFT "
-                  "and ITL)", verdict_table(report)]
-    parts += ceiling_lines(report)
-    parts += ["### Notes", "\n".join(f"- {w}" for w in warnings(report) + PEER_NOTES),
-              "### Commands", "```\n" + env["command"] + "\n" + "\n".join(commands) + "\n```"]
-    return "\n\n".join(parts) + "\n"

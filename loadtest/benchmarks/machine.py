@@ -1,8 +1,10 @@
-"""The offline benchmark's machine side: CPU contention sampling, waiting for a quiet machine,
-and the rates the roofline rests on (matmul, memory bandwidth, CPU model)."""
+"""The machine side of the benchmarks: CPU contention sampling, waiting for a quiet machine,
+the rates a roofline rests on (matmul, memory bandwidth), and the description of the machine
+and software every result carries."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import time
@@ -12,9 +14,10 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_config import GIB, QUIET_CORES, BenchConfig
+QUIET_CORES = 0.25  # other processes busier than this make a timing suspect
+GIB = 1024**3
 
-# ---- contention: the machine may be shared, so every timing records who else ran --------
+# ---- contention: the machine may be shared, so every timing records who else ran ----------
 
 
 def cpu_seconds() -> tuple[float, float] | None:
@@ -34,7 +37,8 @@ def other_cores(before: tuple[float, float], after: tuple[float, float], wall: f
     return max(0.0, others / max(wall, 1e-9))
 
 
-def wait_for_quiet(max_wait_s: float, threshold: float = QUIET_CORES, window_s: float = 2.0) -> float:
+def wait_for_quiet(max_wait_s: float, threshold: float = QUIET_CORES,
+                   window_s: float = 2.0) -> float:
     """Sleeps until other processes use under `threshold` cores over a window, or gives up
     after `max_wait_s`; returns the seconds waited."""
     start = time.perf_counter()
@@ -58,6 +62,14 @@ def timed(fn: Callable[[], dict[str, Any]], quiet_wait_s: float) -> dict[str, An
                                  else other_cores(before, after, wall))
     result["waited_for_quiet_s"] = waited
     return result
+
+
+def other_cpu_values(node: Any) -> list[float]:
+    """Every `other_cpu_cores` measured anywhere in a nested result."""
+    if isinstance(node, dict):
+        own = [node["other_cpu_cores"]] if node.get("other_cpu_cores") is not None else []
+        return own + [v for child in node.values() for v in other_cpu_values(child)]
+    return []
 
 
 # ---- machine rates ------------------------------------------------------------------------
@@ -92,22 +104,7 @@ def read_bandwidth_gbs(num_bytes: int, repeats: int = 5) -> dict[str, float]:
     return {"read_gbs": num_bytes / sum_s / 1e9, "copy_gbs": 2 * num_bytes / copy_s / 1e9}
 
 
-def measure_machine(cfg: BenchConfig, hidden: int, intermediate: int) -> dict[str, Any]:
-    """Peak matmul rate (large square GEMM), a decode-shaped GEMM, and read bandwidth."""
-    size, rows = cfg.gemm_size, cfg.decode_seqs
-
-    def measure() -> dict[str, Any]:
-        return {"gemm_square_gflops": matmul_gflops(size, size, size),
-                "gemm_decode_gflops": matmul_gflops(rows, hidden, 2 * intermediate, repeats=50),
-                "gemm_square_shape": f"[{size}x{size}] @ [{size}x{size}]",
-                "gemm_decode_shape": f"[{rows}x{hidden}] @ [{hidden}x{2 * intermediate}]",
-                **read_bandwidth_gbs(cfg.bandwidth_bytes),
-                "bandwidth_method": f"float32 tensor of {cfg.bandwidth_bytes / GIB:.2f} GiB: "
-                                    f".sum() (read once), best of 5, {cfg.threads} threads"}
-    return timed(measure, cfg.wait_quiet)
-
-
-# ---- hardware description -----------------------------------------------------------------
+# ---- description --------------------------------------------------------------------------
 
 
 def cpu_model() -> str:
@@ -122,3 +119,13 @@ def cpu_model() -> str:
                   if ln.startswith("flags")), set())
     simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return f"{name} ({os.cpu_count()} logical CPUs; {', '.join(simd) or 'no AVX2'})"
+
+
+def environment(threads: int, command: str) -> dict[str, Any]:
+    """Date, machine, versions, torch threads and the command that produced a result."""
+    import transformers
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "command": command}

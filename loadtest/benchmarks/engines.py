@@ -1,22 +1,20 @@
-"""What the in-process engine benchmarks (loadtest/benchmarks/) share: a tiny Llama, engine
-args with a KV cache sized to the workload, and the standalone command line.
+"""What the in-process engine benchmarks (KV waste, step overhead) share: a tiny Llama and
+engine args with a KV cache sized to the workload.
 
 The tiny model is config.json plus a trained tokenizer, loaded with `load_format="dummy"`
-(random weights, no checkpoint file). The tokenizer is a byte-level BPE trained in about a
-second on this repository's docs and engine source, so detokenizing is real work.
+(random weights, no checkpoint file). The tokenizer is a byte-level BPE trained in well under
+a second on this repository's docs and engine source, so detokenizing is real work.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineArgs
 from engine.model_loader.loader import resolve_model
-from loadtest.benchmarks.common import ROOT, SuiteContext
+from loadtest.benchmarks.common import ROOT
 
 TINY_VOCAB = 4096
 MAX_MODEL_LEN = 2048
@@ -29,7 +27,7 @@ def train_tokenizer(vocab_size: int = TINY_VOCAB) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "engine").glob("*.py"))]
+             *sorted((ROOT / "engine").rglob("*.py"))]
     corpus = [line for f in files if f.is_file() for line in f.read_text().splitlines()]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -84,22 +82,3 @@ def engine_args(model: str | None, threads: int, max_seqs: int, kv_tokens: int,
                       max_num_batched_tokens=2048, num_threads=threads,
                       kv_cache_memory_bytes=int(kv_tokens * 1.1 + 64) * per_token,
                       load_format="auto" if has_weights(model) else "dummy", **overrides)
-
-
-def run_alone(name: str, run: Callable[[SuiteContext], dict[str, Any]],
-              render: Callable[[dict[str, Any]], str], argv: Sequence[str] | None = None,
-              model_flag: bool = False) -> None:
-    """A benchmark module's own CLI: [--quick] [--threads N] [--json PATH] (and [--model M]
-    when the benchmark takes one, passed as ctx.extra["model"]); prints markdown."""
-    parser = argparse.ArgumentParser(description=name)
-    parser.add_argument("--quick", action="store_true", help="small workload, a smoke run")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--json", dest="json_path", help="also write the result here")
-    if model_flag:
-        parser.add_argument("--model", type=Path, default=None, help="default: SmolLM2")
-    ns = parser.parse_args(argv)
-    extra = {"model": ns.model} if model_flag and ns.model else {}
-    result = run(SuiteContext(threads=ns.threads, quick=ns.quick, extra=extra))
-    print(render(result))
-    if ns.json_path:
-        Path(ns.json_path).write_text(json.dumps(result, indent=2, default=str))

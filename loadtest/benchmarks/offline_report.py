@@ -1,19 +1,16 @@
-"""The offline benchmark's report: roofline arithmetic, tables, markdown and target lines."""
+"""The offline benchmark's report: roofline arithmetic, the report dict and its tables."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
-from loadtest.bench_config import (
-    BATCH1_TARGET,
-    QUIET_CORES,
-    ROOFLINE_TARGET,
-    THROUGHPUT_TARGET,
-    BenchConfig,
-)
+from loadtest.benchmarks.common import format_table, ratio
+
+if TYPE_CHECKING:
+    from loadtest.benchmarks.offline_config import BenchConfig
 
 Row = Sequence[Any]
 
@@ -39,42 +36,6 @@ def roofline_step_seconds(flops: float, weight_bytes: float, matmul_flops_per_s:
 def bandwidth_floor_tokens_per_s(weight_bytes: float, read_bytes_per_s: float) -> float:
     """Batch-1 decode ceiling: each token reads every weight once."""
     return read_bytes_per_s / weight_bytes
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """numerator / denominator, or None when either is missing or the denominator is 0."""
-    if numerator is None or not denominator:
-        return None
-    return numerator / denominator
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Row]) -> str:
-    """A markdown pipe table; floats get 3 significant digits, None prints as '-'."""
-    cells = [[_cell(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
-              for r in cells]
-    return "\n".join(lines)
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
-
-
-def target_line(name: str, value: float | None, target: float, as_percent: bool) -> str:
-    """'TARGET met/missed' line; a missing measurement counts as not measured."""
-    def show(x: float) -> str:
-        return f"{x:.0%}" if as_percent else f"{x:.1f}x"
-    if value is None:
-        return f"TARGET {name}: not measured (target >= {show(target)})"
-    verdict = "met" if value >= target else "MISSED"
-    return f"TARGET {name}: {verdict} ({show(value)}, target >= {show(target)})"
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -112,14 +73,6 @@ def build_report(cfg: BenchConfig, env: dict[str, Any], mc: ModelConfig, rates: 
         "batch1_floor_float32_tokens_per_s": bandwidth_floor_tokens_per_s(
             mc.num_params() * 4, read),
     }
-
-
-def other_cpu_values(node: Any) -> list[float]:
-    """Every `other_cpu_cores` measured anywhere in the report."""
-    if isinstance(node, dict):
-        own = [node["other_cpu_cores"]] if node.get("other_cpu_cores") is not None else []
-        return own + [v for child in node.values() for v in other_cpu_values(child)]
-    return []
 
 
 def throughput_table(r: dict[str, Any]) -> str:
@@ -215,47 +168,3 @@ def dtype_verdict(r: dict[str, Any]) -> list[str]:
              for d in (f32, bf16)]
     return [f"faster at {n} sequences: {faster(pairs[0][0], pairs[1][0])}; faster at batch 1: "
             f"{faster(pairs[0][1], pairs[1][1])}; cpu: {r['env']['cpu']}"]
-
-
-def target_lines(r: dict[str, Any]) -> list[str]:
-    """The three target verdicts, then a warning when other processes took CPU."""
-    b1 = r["kvserve"]["batch1"]["tokens_per_s"] / r["batch1_floor_tokens_per_s"]
-    n = r["kvserve"]["decode"]["num_seqs"]
-    lines = [target_line("throughput kvserve / generate_batch", r["ratios"]["vs_generate_batch"],
-                         THROUGHPUT_TARGET, as_percent=False),
-             target_line(f"{n}-seq decode achieved / roofline", r["roofline"]["fraction"],
-                         ROOFLINE_TARGET, as_percent=True),
-             target_line("batch-1 decode / bandwidth floor", b1, BATCH1_TARGET, as_percent=True)]
-    busiest = max(other_cpu_values(r), default=0.0)
-    if busiest > QUIET_CORES:
-        lines.append(f"WARNING: other processes kept up to {busiest:.2f} cores busy during a "
-                     "measurement; those timings understate both engines (see the "
-                     "others' CPU columns; --wait-quiet waits for an idle machine)")
-    return lines
-
-
-def render(r: dict[str, Any]) -> str:
-    """The whole report as markdown (also what gets printed)."""
-    env, c = r["env"], r["config"]
-    parts = [
-        f"## Offline benchmark: SmolLM2-135M, {c['threads']} threads",
-        f"threads={c['threads']} torch={env['torch']} transformers={env['transformers']} "
-        f"cpu={env['cpu']}",
-        f"workload: {c['num_prompts']} prompts of random token ids, input {c['min_input']}.."
-        f"{c['max_input']} tokens evenly spread (seed {c['seed']}), {c['output_len']} output "
-        f"tokens each, greedy, EOS ignored; kvserve dtype {c['dtype']}; both engines load the "
-        "same GGUF dequantized",
-        "### Machine rates", machine_table(r),
-        "### 1. Offline throughput", throughput_table(r),
-        f"generate_batch settings: {r['hf']['generate_batch']['settings']}",
-        f"### 2. Roofline at {r['kvserve']['decode']['num_seqs']} concurrent sequences",
-        roofline_table(r),
-        "### 3. Batch-1 decode", batch1_table(r), "### 4. dtype", dtype_table(r),
-        *dtype_verdict(r),
-        "### Targets", "\n".join(target_lines(r)),
-    ]
-    profile = r["kvserve"]["decode"].get("profile")
-    if profile:
-        parts += ["### Decode-step profile (kvserve, torch.profiler)", f"```\n{profile}\n```"]
-    return "\n\n".join(parts) + "\n"
-

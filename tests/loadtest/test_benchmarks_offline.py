@@ -1,21 +1,26 @@
-"""The offline benchmark's pure helpers: workload shape and roofline arithmetic (no timing)."""
+"""The offline benchmarks' pure helpers and the benchmarks' shared ones: workload shape,
+roofline arithmetic, tables, contention accounting (no timing)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtest.bench_config import BenchConfig
-from loadtest.bench_machine import other_cores
-from loadtest.bench_offline import parse_args, random_prompts, spread_lengths
-from loadtest.bench_report import (
+from loadtest.benchmarks.common import (
+    format_table,
+    random_prompts,
+    ratio,
+    spread_lengths,
+    target_line,
+    verdict,
+)
+from loadtest.benchmarks.machine import other_cores, other_cpu_values
+from loadtest.benchmarks.offline import parse_args
+from loadtest.benchmarks.offline_config import BenchConfig
+from loadtest.benchmarks.offline_report import (
     bandwidth_floor_tokens_per_s,
     decode_step_flops,
     faster,
-    format_table,
-    other_cpu_values,
-    ratio,
     roofline_step_seconds,
-    target_line,
 )
 
 
@@ -67,11 +72,12 @@ def test_ratio_handles_missing_values() -> None:
 
 
 def test_target_lines() -> None:
-    assert target_line("x", 12.0, 10.0, as_percent=False) == \
-        "TARGET x: met (12.0x, target >= 10.0x)"
-    assert target_line("y", 0.42, 0.5, as_percent=True) == \
-        "TARGET y: MISSED (42%, target >= 50%)"
-    assert "not measured" in target_line("z", None, 0.85, as_percent=True)
+    assert target_line(">= 10x", True, "12.0x") == \
+        "**Target:** >= 10x. **Measured:** 12.0x. **Verdict: met.**"
+    assert target_line(">= 50%", False, "42%") == \
+        "**Target:** >= 50%. **Measured:** 42%. **Verdict: missed.**"
+    assert "not measured" in target_line(">= 85%", None, "-")
+    assert verdict(None, skipped=True) == "skipped" and verdict(True) == "met"
 
 
 def test_format_table() -> None:

@@ -3,7 +3,7 @@
 The serving benchmark gives kvserve and `transformers serve` the very same checkpoint, and
 `transformers serve` only loads HF folders, so the GGUF (Q4_1) is dequantized once to
 float32 and saved with its tokenizer and chat template. Run as
-`python -m loadtest.hf_export [--out FOLDER] [--force]`; a complete folder is left alone.
+`python -m loadtest.benchmarks.hf_export [--out FOLDER] [--force]`; a complete folder is left alone.
 """
 
 from __future__ import annotations
