@@ -5,6 +5,7 @@ so the torch twins, the Triton kernels and the selector all import it and never 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,3 +65,33 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 def is_fp8(cache: torch.Tensor) -> bool:
     """Whether a KV cache tensor stores fp8."""
     return cache.dtype in FP8_DTYPES
+
+
+# The signatures every kernel module's two ops share (the torch twins define them).
+CacheOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float,
+                    float], None]
+AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float,
+                        float, float], torch.Tensor]
+
+
+class OpsBackend:
+    """An AttentionBackend over one kernel module's `reshape_and_cache` and
+    `unified_attention`."""
+
+    supports_cuda_graphs = False
+
+    def __init__(self, cache_op: CacheOp, attention_op: AttentionOp) -> None:
+        self._cache_op = cache_op
+        self._attention_op = attention_op
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Writes this step's K/V into the cache."""
+        self._cache_op(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+
+    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                  v_scale: float = 1.0) -> torch.Tensor:
+        """Attention over the cache for the mixed batch."""
+        return self._attention_op(query, k_cache, v_cache, meta, scale, k_scale, v_scale)

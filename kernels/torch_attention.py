@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.metadata import FP8_DTYPES, AttentionMetadata, TorchPlan, is_fp8
+from kernels.metadata import FP8_DTYPES, AttentionMetadata, OpsBackend, TorchPlan, is_fp8
 
 
 def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -148,17 +148,8 @@ def _prefill_entry(meta: AttentionMetadata, seq: int, start: int, device: torch.
     return start, start + q_len, slots, visible
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(OpsBackend):
     """The CPU path: plain torch ops over the paged cache."""
 
-    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata,
-                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-        """Writes this step's K/V into the cache."""
-        reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-
-    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                  v_scale: float = 1.0) -> torch.Tensor:
-        """Attention over the cache for the mixed batch."""
-        return unified_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    def __init__(self) -> None:
+        super().__init__(reshape_and_cache, unified_attention)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata, is_fp8
+from kernels.metadata import AttentionMetadata, OpsBackend, is_fp8
 
 TARGET_PROGRAMS = 132  # an H100/H200's SM count: split-KV decode aims to give each SM work
 MAX_SEGMENTS = 16
@@ -299,7 +299,7 @@ def _interpreting() -> bool:
     return type(_attention_kernel).__name__ == "InterpretedFunction"
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(OpsBackend):
     """The CUDA path: Triton kernels over the paged cache (or the interpreter on CPU)."""
 
     # Launches read only device tensors and host ints (max_seq_len bound from the metadata's
@@ -310,15 +310,4 @@ class TritonAttentionBackend:
         if device.type != "cuda" and not _interpreting():
             raise ValueError("the triton attention backend needs a CUDA device (or "
                              "TRITON_INTERPRET=1 set before triton kernels are imported)")
-
-    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, meta: AttentionMetadata,
-                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-        """Writes this step's K/V into the cache."""
-        reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-
-    def attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                  v_scale: float = 1.0) -> torch.Tensor:
-        """Attention over the cache for the mixed batch."""
-        return unified_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        super().__init__(reshape_and_cache, unified_attention)

@@ -188,3 +188,30 @@ def test_a_failed_step_fails_only_its_requests_over_the_websocket(tiny_llama_dir
         assert engine.engine.kv.usage() == 0.0
 
     _in_process(tiny_llama_dir, body, max_num_seqs=1)
+
+
+def test_an_internal_value_error_is_500_not_400(tiny_llama_dir: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Only the engine's typed InvalidRequestError means bad input: a plain ValueError from an
+    internal invariant is a server fault, answered 500 with its traceback in the log."""
+    async def body(client: TestClient[Any, Any], engine: AsyncEngine) -> None:
+        render = engine.render_chat
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise ValueError("prompt invariant broken")  # reads like bad input, is not
+
+        engine.render_chat = broken  # type: ignore[method-assign]
+        chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
+        resp = await client.post("/v1/chat/completions", json=chat)
+        assert resp.status == 500
+        error = assert_error_body(await resp.json())
+        assert error["type"] == "server_error" and error["param"] is None
+        assert any(r.exc_info and "prompt invariant broken" in str(r.exc_info[1])
+                   for r in caplog.records)
+        engine.render_chat = render  # type: ignore[method-assign]
+        resp = await client.post("/v1/chat/completions", json={**chat, "max_tokens": 10**6})
+        assert resp.status == 400  # the engine's typed error (past max_model_len) is a 400
+        assert assert_error_body(await resp.json(), "max_tokens")
+        await _normal_request(client)
+
+    _in_process(tiny_llama_dir, body)
