@@ -47,13 +47,13 @@ def test_a_request_the_cache_can_never_hold_is_refused() -> None:
     assert info.value.param == "max_tokens" and "2 blocks" in str(info.value)
 
 
-def test_sampling_params_refusals_name_the_parameter() -> None:
-    for kwargs, param in (({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                          ({"logprobs": 99}, "logprobs"), ({"min_tokens": 9, "max_tokens": 2},
-                                                          "min_tokens")):
-        with pytest.raises(InvalidRequestError) as info:
-            SamplingParams(**kwargs)
-        assert info.value.param == param
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"logprobs": 99}, "logprobs"),
+    ({"min_tokens": 9, "max_tokens": 2}, "min_tokens")])
+def test_sampling_params_refusals_name_the_parameter(kwargs: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
 
 
 def test_n_fans_out_into_choices_with_distinct_seeds() -> None:
