@@ -1,4 +1,5 @@
-"""Picks the attention backend for a device: the torch twins on CPU, Triton on CUDA."""
+"""Picks the attention backend for a device (the torch twins on CPU, Triton on CUDA) and
+refuses, before anything is allocated, a configuration the Triton kernels cannot compile for."""
 
 from __future__ import annotations
 
@@ -7,15 +8,42 @@ import torch
 from kernels.metadata import AttentionBackend
 from kernels.torch_attention import TorchAttentionBackend
 
+# KV block sizes the Triton kernels tile: a block is one side of tl.dot, which needs >= 16.
+TRITON_BLOCK_SIZES = (16, 32, 64, 128)
+# fp8 e4m3 conversions exist from sm_89 (Ada, Hopper) on; e5m2 compiles from sm_80.
+FP8_E4M3_MIN_CAPABILITY = (8, 9)
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+
+def check_triton_support(block_size: int, kv_cache_dtype: torch.dtype | None,
+                         capability: tuple[int, int] | None) -> None:
+    """Raises ValueError naming what works when the Triton kernels cannot serve this block size
+    or KV element type on a GPU of this compute capability (None: not a CUDA device)."""
+    if block_size not in TRITON_BLOCK_SIZES:
+        raise ValueError(
+            f"--block-size {block_size} cannot be tiled by the triton attention backend (a KV "
+            f"block is one side of a 16-wide matrix product): use --block-size "
+            f"{', '.join(map(str, TRITON_BLOCK_SIZES))}, or --attention-backend torch")
+    if (kv_cache_dtype == torch.float8_e4m3fn and capability is not None
+            and capability < FP8_E4M3_MIN_CAPABILITY):
+        major, minor = capability
+        raise ValueError(
+            f"--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Ada, "
+            f"Hopper) for the triton kernels; this one is sm_{major}{minor}: use --kv-cache-dtype "
+            "fp8_e5m2 (the same 1 byte per element, coarser mantissa) or auto")
+
+
+def get_attention_backend(name: str, device: torch.device, block_size: int = 16,
+                          kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
     """`auto` is Triton on CUDA (torch there too if triton is missing) and torch elsewhere;
     `triton` and `torch` force one. Triton is imported only when chosen, so CPU installs
-    without it work."""
+    without it work. The Triton choice is checked against the block size, the KV element type
+    and the GPU before it is made."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
     if name not in ("auto", "triton"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, triton or torch")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    check_triton_support(block_size, kv_cache_dtype, capability)
     try:
         from kernels.triton_attention import TritonAttentionBackend
     except ImportError as exc:

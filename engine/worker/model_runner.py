@@ -28,7 +28,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = args.block_size
-        self.backend = get_attention_backend(args.attention_backend, device)
+        # Refuses what the kernels cannot run (block size, fp8 on an older GPU) before loading.
+        self.backend = get_attention_backend(args.attention_backend, device, args.block_size,
+                                             self.kv_cache_dtype())
         self.model = self._load_model(source, max_model_len)
         self.sampler = Sampler(device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
