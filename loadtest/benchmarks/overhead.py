@@ -151,22 +151,29 @@ def steady_steps(engine: RecordingEngine, log: StepLog, size: int,
     return steps[warmup:]
 
 
-def measure_size(model_dir: Path, size: int, cfg: OverheadConfig, threads: int
-                 ) -> dict[str, Any]:
-    """Runs `size` concurrent streamed requests on the tiny model; per-step medians in ms."""
+def stream_requests(engine: RecordingEngine, size: int, cfg: OverheadConfig
+                    ) -> tuple[list[dict[str, float]], int]:
+    """Streams `size` seeded requests to the end through the server's SSE path; returns the
+    steady pure-decode steps and the SSE bytes sent."""
     import uvloop
 
-    args = engine_args(str(model_dir), threads, size, size * (cfg.prompt_len + cfg.output_len))
-    engine = RecordingEngine(args)
-    batch = decode_batch(size, cfg.prompt_len, args.block_size, SamplingParams(max_tokens=1))
-    warm_up(engine, batch, cfg.warmup_s)
     prompts = random_prompts([cfg.prompt_len] * size, engine.model_config.vocab_size, {0},
                              cfg.seed + size)
     bodies = [orjson.dumps({"model": "tiny", "prompt": p, "max_tokens": cfg.output_len,
                             "temperature": 1.0, "ignore_eos": True, "stream": True})
               for p in prompts]
     log, sent = uvloop.run(_drive(engine, bodies))
-    steps = steady_steps(engine, log, size, cfg.warmup_steps)
+    return steady_steps(engine, log, size, cfg.warmup_steps), sent
+
+
+def measure_size(model_dir: Path, size: int, cfg: OverheadConfig, threads: int
+                 ) -> dict[str, Any]:
+    """Runs `size` concurrent streamed requests on the tiny model; per-step medians in ms."""
+    args = engine_args(str(model_dir), threads, size, size * (cfg.prompt_len + cfg.output_len))
+    engine = RecordingEngine(args)
+    batch = decode_batch(size, cfg.prompt_len, args.block_size, SamplingParams(max_tokens=1))
+    warm_up(engine, batch, cfg.warmup_s)
+    steps, sent = stream_requests(engine, size, cfg)
     result: dict[str, Any] = {"running": size, "steady_steps": len(steps), "sse_bytes": sent,
                               "per_step": steps}
     for key in ("interval", "forward", "schedule", "handoff", "apply", "other", "loop_cpu"):

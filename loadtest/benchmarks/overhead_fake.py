@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from engine.core.scheduler_output import SchedulerOutput, StepResult
-from loadtest.benchmarks.common import format_table, random_prompts
+from loadtest.benchmarks.common import format_table
 from loadtest.benchmarks.engines import engine_args
 
 FORWARDS_MS = (2.0, 10.0)
@@ -31,20 +29,12 @@ def fake_forward(seconds: float) -> Any:
 def measure(model_dir: Path, size: int, forward_ms: float, cfg: Any, threads: int
             ) -> dict[str, Any]:
     """Median pure-decode step interval with a fixed forward, and the engine's share of it."""
-    import uvloop
-
-    from loadtest.benchmarks.overhead import RecordingEngine, _drive, steady_steps
+    from loadtest.benchmarks.overhead import RecordingEngine, stream_requests
 
     args = engine_args(str(model_dir), threads, size, size * (cfg.prompt_len + cfg.output_len))
     engine = RecordingEngine(args)
     engine.runner.execute = fake_forward(forward_ms / 1000)  # type: ignore[method-assign]
-    prompts = random_prompts([cfg.prompt_len] * size, engine.model_config.vocab_size, {0},
-                             cfg.seed + size)
-    bodies = [orjson.dumps({"model": "tiny", "prompt": p, "max_tokens": cfg.output_len,
-                            "temperature": 1.0, "ignore_eos": True, "stream": True})
-              for p in prompts]
-    log, _ = uvloop.run(_drive(engine, bodies))
-    steps = steady_steps(engine, log, size, cfg.warmup_steps)
+    steps, _ = stream_requests(engine, size, cfg)
     engine.shutdown()
     step_ms = statistics.median(s["interval"] * 1000 for s in steps) if steps else float("nan")
     return {"running": size, "forward_ms": forward_ms, "step_ms": step_ms,
