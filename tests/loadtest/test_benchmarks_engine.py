@@ -106,3 +106,12 @@ def test_overhead_quick_run_and_render(tiny_dir: Path, tmp_path: Path) -> None:
     assert result["met"] in (True, False)
     assert target_line(result["target"], result["met"], result["summary"]) in \
         overhead.render(result)
+    # The fixed-forward rows: every size at 2 and 10 ms, a step never shorter than its forward.
+    fixed = result["fixed_forward"]
+    assert sorted((r["forward_ms"], r["running"]) for r in fixed) == \
+        [(2.0, 16), (2.0, 32), (10.0, 16), (10.0, 32)]
+    for row in fixed:
+        assert row["steady_steps"] > 0 and row["step_ms"] >= row["forward_ms"]
+        assert 0 <= row["share"] < 1
+    assert "Issue 15's target, under 5% at 2 ms" in overhead.render(result)
+    assert result["prefix_key_us_per_block"] > 0
