@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.config import EngineArgs
 from engine.engine_client import ModelInfo
-from engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from engine.errors import EngineDeadError, QueueFullError
 from engine.input_processor import Message, PromptInput
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics, StatsLogger, StepTimes
@@ -155,8 +155,6 @@ class AsyncEngine:
                 len(self.engine.scheduler.waiting) >= self.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests); "
                                  "retry later")
-        if request_id in self.engine.output_processor:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "id")
         stream = RequestStream(request_id, self)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         parent = self.engine.add_requests([(request_id, prompt, params)], stream)[0]
