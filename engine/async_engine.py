@@ -128,10 +128,11 @@ class AsyncEngine:
 
     # ---- the client interface -------------------------------------------------------------
 
-    def render_chat(self, messages: list[Message],
-                    add_generation_prompt: bool = True) -> dict[str, Any]:
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """A conversation rendered with the model's chat template, as a prompt dict."""
-        return self.engine.input_processor.render_chat(messages, add_generation_prompt)
+        return self.engine.input_processor.render_chat(messages, add_generation_prompt,
+                                                       tools=tools)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text."""

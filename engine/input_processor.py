@@ -40,14 +40,15 @@ class InputProcessor:
                        salt)
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    chat_template: str | None = None) -> dict[str, Any]:
+                    chat_template: str | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """A conversation rendered with the model's chat template, as a prompt dict."""
         if not messages:
             raise InvalidRequestError("a conversation needs at least one message", "messages")
         try:
             text = str(self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                chat_template=chat_template))
+                chat_template=chat_template, tools=tools))
         except Exception as exc:  # jinja errors, missing template
             raise InvalidRequestError(
                 f"the chat template could not render these messages: {exc}", "messages") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -17,6 +18,23 @@ class RequestOutputKind(enum.Enum):
 
     DELTA = enum.auto()
     FINAL_ONLY = enum.auto()
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate, as vLLM's `StructuredOutputsParams`
+    (formerly `GuidedDecodingParams`): exactly one of the fields is set.
+
+    json: a JSON schema (dict or its JSON text); json_object: any JSON object; regex: a
+    regular expression; choice: one of these strings; grammar: an EBNF grammar (xgrammar's
+    dialect, which also reads GBNF).
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
 
 @dataclass
@@ -41,6 +59,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    # Grammar-constrained decoding (engine/structured_output); None costs nothing.
+    structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> bias in [-100, 100], added to the logits before sampling.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
