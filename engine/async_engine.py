@@ -77,7 +77,7 @@ class AsyncEngine:
         self.engine = engine
         info = engine.describe()
         self.model_info = ModelInfo(engine.model_name(), info["root"], info["max_model_len"],
-                                    info["vocab_size"])
+                                    info["vocab_size"], engine.default_sampling_params)
         self.max_queue_len = max_queue_len
         self.model_name = model_name or self.model_info.name  # the name metrics are labelled with
         self.metrics = EngineMetrics(engine.stats, info, self.model_name)
@@ -214,7 +214,9 @@ class AsyncEngine:
         started = time.perf_counter()
         batch = engine.schedule()
         if not batch.requests:
-            await asyncio.sleep(0.001)  # nothing admissible yet (a sibling waits); yield
+            if batch.finished_request_ids:  # the worker drops their generators and matchers
+                await asyncio.wrap_future(engine.worker.submit(batch))
+            await asyncio.sleep(0.001)  # nothing admissible yet (a sibling or grammar waits)
             return
         self.metrics.iteration_tokens.observe(batch.num_tokens)
         self._step_in_flight = True

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from engine.generation_config import parse_override
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
@@ -156,6 +158,13 @@ class EngineArgs:
                                 "captured CUDA graphs")
     # "dummy": random weights, for benchmarks of a model shape without its checkpoint
     load_format: str = _flag("auto", "auto|dummy", cli=False)
+    generation_config: str = _flag(
+        "auto", "request defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) from: auto = the model's generation_config.json, vllm = none, or a "
+        "folder holding one")
+    override_generation_config: dict[str, Any] | str | None = _flag(
+        None, "JSON object of request defaults over the generation config's, e.g. "
+        "'{\"max_new_tokens\": 512}'; requests that set a field keep their own")
 
     @classmethod
     def flags(cls, command: str) -> list[dataclasses.Field[Any]]:
@@ -201,6 +210,7 @@ class EngineArgs:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        self.override_generation_config = parse_override(self.override_generation_config)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got "
                              f"{self.attention_backend!r}")
@@ -233,6 +243,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, command: str) -> None:
             continue
         base = next(a for a in typing.get_args(kind) if a is not type(None)) \
             if typing.get_args(kind) else kind
+        if typing.get_origin(base) is dict:  # a JSON object, given as text on the command line
+            base = str
         parser.add_argument(name, type=base, default=f.default, help=f.metadata["help"],
                             choices=f.metadata["choices"])
 

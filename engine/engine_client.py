@@ -8,8 +8,8 @@ over replicas) can stand behind the same routes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.input_processor import Message, PromptInput
@@ -25,6 +25,9 @@ class ModelInfo:
     root: str  # where it was loaded from
     max_model_len: int
     vocab_size: int
+    # Defaults for the sampling fields a request leaves unset (SamplingParams names), from
+    # --generation-config and --override-generation-config.
+    default_sampling_params: Mapping[str, Any] = field(default_factory=dict)
 
 
 class RequestHandle(Protocol):

@@ -9,6 +9,7 @@ from typing import Any
 from engine.core.parallel_sampling import ParentRequest, fan_out
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.structured_output.constraints import validate as validate_structured_outputs
 
 # A prompt: text, token ids, or a dict with "prompt" and/or "prompt_token_ids" (and optionally
 # "cache_salt"), as vLLM's prompt inputs.
@@ -33,6 +34,7 @@ class InputProcessor:
         """The request's choices, or InvalidRequestError saying what to change."""
         text, prompt_ids = self.tokenize_prompt(prompt)
         max_tokens = self._check_lengths(len(prompt_ids), params)
+        self._check_constraints(params)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
@@ -93,6 +95,18 @@ class InputProcessor:
                 raise InvalidRequestError(
                     f"token id {token!r} is outside the vocabulary [0, {vocab})", param)
         return [int(t) for t in ids]
+
+    def _check_constraints(self, params: SamplingParams) -> None:
+        """logit_bias token ids inside the vocabulary; a structured-output constraint that
+        parses (an invalid JSON schema, regex or grammar names the problem)."""
+        if params.logit_bias:
+            for token in params.logit_bias:
+                if not 0 <= token < self.vocab_size:
+                    raise InvalidRequestError(
+                        f"logit_bias token id {token} is outside the vocabulary "
+                        f"[0, {self.vocab_size})", "logit_bias")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
 
     def _check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         limit = self.max_model_len

@@ -28,6 +28,10 @@ class LLM:
         """The model's tokenizer."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the generation config's defaults (--generation-config)."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -37,6 +41,8 @@ class LLM:
         without leaving the others half-run.
         """
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:  # the generation config's defaults, as vLLM's LLM
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompt_list))
         parents = self.engine.add_requests([(None, p, sp) for p, sp in zip(
             prompt_list, params, strict=True)])

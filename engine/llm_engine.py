@@ -7,6 +7,7 @@ except the model, which runs on the worker thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,11 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, StepResult
 from engine.errors import InvalidRequestError
+from engine.generation_config import (
+    default_sampling_params,
+    parse_override,
+    read_generation_config,
+)
 from engine.input_processor import InputProcessor, PromptInput
 from engine.model_loader.loader import (
     checkpoint_generation_config,
@@ -38,6 +44,7 @@ from engine.model_loader.loader import (
 from engine.output_processor import OutputProcessor, OutputStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputManager, constraint_key
 from engine.worker.model_runner import ModelRunner
 from engine.worker.worker import Worker
 
@@ -91,8 +98,17 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config.vocab_size, self.max_model_len, args.block_size,
             self.kv_cache_plan.num_blocks, self._eos_token_ids())
+        # Request defaults for unset fields (the server's and LLM's): --generation-config.
+        self.default_sampling_params = default_sampling_params(
+            read_generation_config(args.generation_config,
+                                   checkpoint_generation_config(self.source)),
+            parse_override(args.override_generation_config))
         self.output_processor = OutputProcessor(
             self.tokenizer, lambda r: self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED))
+        # Structured outputs: grammars compiled on their own thread, cached by constraint.
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, self.input_processor.eos_token_ids)
+        self._failed_outputs: list[RequestOutput] = []  # the last schedule()'s, for step()
         self._next_id = 0
         self.last_step_seconds = 0.0  # the model's time in the last step() (benchmarks)
 
@@ -137,7 +153,11 @@ class LLMEngine:
             parents.append(self.input_processor.process(rid, prompt, params or SamplingParams()))
         for parent in parents:
             self.output_processor.add_request(parent, stream)
+            constraint = parent.choices[0].sampling_params.structured_outputs
+            grammar = None if constraint is None else \
+                self.structured_output.submit(constraint_key(constraint))
             for choice in parent.choices:
+                choice.grammar = grammar
                 self.scheduler.add_request(choice)
         return parents
 
@@ -171,12 +191,27 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Picks this step's batch."""
-        return self.scheduler.schedule()
+        """Picks this step's batch. Requests whose grammar failed to compile end here, with
+        finish_reason `error` (their outputs go to their streams, or to the next step())."""
+        batch = self.scheduler.schedule()
+        failed = self.scheduler.take_failed()
+        self._failed_outputs = self.output_processor.finish_without_token(
+            failed, time.monotonic()) if failed else []
+        return batch
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """Blocks until a waiting request's grammar is compiled, or `timeout` seconds."""
+        pending = [r.grammar for r in self.scheduler.waiting_for_grammar()
+                   if r.grammar is not None]
+        if pending:
+            concurrent.futures.wait(pending, timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     def apply(self, batch: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Applies a step's result: tokens and stop checks, then the outputs."""
-        touched = self.scheduler.update_from_output(batch, result.sampled, result.logprobs)
+        touched = self.scheduler.update_from_output(batch, result.sampled, result.logprobs,
+                                                    result.grammar_terminated,
+                                                    result.grammar_rejected)
         return self.output_processor.process(touched, time.monotonic())
 
     def fail(self, batch: SchedulerOutput) -> list[RequestOutput]:
@@ -187,14 +222,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One synchronous step: schedule, run on the worker thread, apply."""
         batch = self.schedule()
+        failed, self._failed_outputs = self._failed_outputs, []
         if not batch.requests and not batch.finished_request_ids:
-            return []
+            self.wait_for_grammars(0.05)  # nothing admissible: a grammar may be compiling
+            return failed
         result, self.last_step_seconds = self.worker.submit(batch).result()
-        return self.apply(batch, result)
+        return failed + self.apply(batch, result)
 
     def shutdown(self) -> None:
-        """Stops the worker thread."""
+        """Stops the worker and grammar-compile threads."""
         self.worker.shutdown()
+        self.structured_output.shutdown()
 
     def model_name(self) -> str:
         """The model's own name (folder or file stem)."""

@@ -10,6 +10,7 @@ from typing import Any
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
 
 
 class RequestOutputKind(enum.Enum):
@@ -35,6 +36,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):  # a list is accepted and kept as a tuple
+            object.__setattr__(self, "choice", tuple(self.choice))
 
 
 @dataclass
@@ -107,6 +112,14 @@ class SamplingParams:
                "stop must be a list of non-empty strings", "stop")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers", "stop_token_ids")
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams),
+                   "structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+            from engine.structured_output.constraints import check_shape
+
+            check_shape(self.structured_outputs)
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +136,17 @@ class SamplingParams:
     def needs_filtering(self) -> bool:
         """Whether top-k / top-p / min-p truncation applies."""
         return self.top_k > 1 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _check_logit_bias(bias: Any) -> None:
+    _check(isinstance(bias, dict), "logit_bias must map token ids to numbers", "logit_bias")
+    for token, value in bias.items():
+        _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+               f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
+        _check(_finite(value) and not isinstance(value, bool)
+               and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+               f"logit_bias values must be in [-100, 100], got {value!r} for token {token}",
+               "logit_bias")
 
 
 def _finite(value: float) -> bool:

@@ -8,6 +8,7 @@ import hmac
 import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import orjson
 from aiohttp import web
@@ -18,10 +19,14 @@ from engine.config import EngineArgs
 from engine.engine_client import EngineClient
 from server import routes, websocket
 from server.errors import APIError, Handler, error_middleware
-from server.generation import ServedModel
+from server.generation import ServedModel, render_chat
 from server.openapi import openapi_document
-from server.protocol import DetokenizeRequest, TokenizeRequest, chat_messages, decode
+from server.protocol import DetokenizeRequest, TokenizeRequest, decode, tool_dicts
 from server.state import CONFIG, ENGINE, MODEL, STATE, ServerConfig, ServerState
+from server.tool_parsers.mode import ToolSettings
+
+# The chat page's files, shipped as package data (pyproject.toml: server = ["static/*"]).
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 # Paths still answered while draining, so orchestrators can watch the shutdown.
 _OPEN_WHILE_DRAINING = frozenset({"/health", "/metrics", "/version"})
@@ -114,7 +119,8 @@ async def tokenize(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if body.messages is not None:
         add_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
-        ids = engine.render_chat(chat_messages(body.messages), add_prompt)["prompt_token_ids"]
+        ids = render_chat(engine, request.app[MODEL], body.messages, tool_dicts(body.tools),
+                          add_prompt)["prompt_token_ids"]
     elif body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = engine.tokenize(body.prompt, add_special)
@@ -129,6 +135,12 @@ async def detokenize(request: web.Request) -> web.Response:
     body = decode(DetokenizeRequest, await request.read())
     request.app[MODEL].check(body.model)
     return json_response({"prompt": request.app[ENGINE].detokenize(body.tokens, "tokens")})
+
+
+async def chat_page(request: web.Request) -> web.FileResponse:
+    """GET /: the built-in chat page. Public even with --api-key (it asks for the key and
+    sends it to the /v1 routes, which stay guarded)."""
+    return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -166,6 +178,8 @@ def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/openapi.json", openapi_json)
+    app.router.add_get("/", chat_page)
+    app.router.add_static("/static", STATIC_DIR, show_index=False)  # no listing
     return app
 
 
@@ -176,8 +190,11 @@ def _engine_context(factory: EngineFactory) -> Callable[[web.Application], Async
         engine.start()
         app[ENGINE] = engine
         info = engine.model_info
-        app[MODEL] = ServedModel(app[CONFIG].served_model_names or [info.name], info.root,
-                                 info.max_model_len)
+        config = app[CONFIG]
+        app[MODEL] = ServedModel(config.served_model_names or [info.name], info.root,
+                                 info.max_model_len,
+                                 ToolSettings(config.enable_auto_tool_choice,
+                                              config.tool_call_parser))
         yield
         await engine.stop()
 

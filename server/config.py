@@ -29,6 +29,10 @@ class ServerConfig:
     request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
     ws_heartbeat_s: float = 20.0
     stats_interval_s: float = 10.0
+    # Tool calls (README, "Tool calls"): on by default with the Hermes parser, since chat
+    # front-ends send `tools` on every request; vLLM's flags mean what they mean there.
+    enable_auto_tool_choice: bool = True
+    tool_call_parser: str | None = "hermes"
 
     def validate(self) -> None:
         """Raises ValueError naming the bad setting."""
@@ -44,6 +48,10 @@ class ServerConfig:
         if not self.request_body_timeout_s > 0:
             raise ValueError("--request-body-timeout must be > 0, got "
                              f"{self.request_body_timeout_s}")
+        if self.tool_call_parser is not None:
+            from server.tool_parsers import get_tool_parser
+
+            get_tool_parser(self.tool_call_parser)  # ValueError naming the known parsers
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +72,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-body-timeout", type=float,
                         default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
                         help="seconds a request body may take to arrive; slower gets 408")
+    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="read tool calls out of the output when tool_choice is auto (the "
+                             "default when a request has tools); --no-enable-auto-tool-choice "
+                             "answers such requests 400, as vLLM does without the flag "
+                             "(default: on)")
+    parser.add_argument("--tool-call-parser", default="hermes",
+                        help="format of the model's tool calls for tool_choice auto: hermes "
+                             "(<tool_call>{json}</tool_call>, Qwen2.5 and Hermes style; "
+                             "default: hermes)")
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
@@ -71,4 +89,6 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=ns.host, port=ns.port, served_model_names=ns.served_model_name or [],
                         api_key=ns.api_key, max_queue_len=ns.max_queue_len,
                         shutdown_timeout=ns.shutdown_timeout, max_body_bytes=ns.max_body_bytes,
-                        request_body_timeout_s=ns.request_body_timeout)
+                        request_body_timeout_s=ns.request_body_timeout,
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                        tool_call_parser=ns.tool_call_parser)

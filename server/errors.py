@@ -31,7 +31,7 @@ _ERROR_TYPES = {
     500: "server_error",
     503: "server_error",
 }
-_JSON_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_JSON_PATH = re.compile(r"(?:at|in) `\$\.([A-Za-z_]+)")  # "in": a bad dict key
 _MISSING = re.compile(r"^Object missing required field `([A-Za-z_]+)`$")
 RETRY_AFTER_S = 1
 

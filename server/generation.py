@@ -8,8 +8,9 @@ aborted when its consumer stops early (client gone, cancel message, socket close
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from engine.engine_client import EngineClient, RequestHandle
@@ -18,12 +19,18 @@ from engine.outputs import RequestOutput
 from server.errors import APIError
 from server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     chat_messages,
+    chat_tools,
     completion_prompts,
     sampling_params,
 )
 from server.responses import CallSpec, ResponseBuilder
+from server.tool_parsers.mode import ToolSettings, plan_tool_calls
+from server.tool_parsers.prompt import render_with_tools, template_renders_tools
+
+logger = logging.getLogger("kvserve.server")
 
 
 @dataclass
@@ -33,6 +40,10 @@ class ServedModel:
     names: list[str]
     root: str
     max_model_len: int
+    # --enable-auto-tool-choice and --tool-call-parser.
+    tools: ToolSettings = field(default_factory=ToolSettings)
+    # Whether the chat template renders `tools` itself; probed on the first request with tools.
+    renders_tools: bool | None = None
 
     @property
     def name(self) -> str:
@@ -77,6 +88,13 @@ class Call:
         async for _ in self.chunks():
             pass
         return self.builder.final_body()
+
+    def log_client_gone(self, why: str) -> None:
+        """One INFO line when the client cuts this call short (the metrics only count it)."""
+        if all(reason is not None for reason in self.builder.finish_reasons):
+            return  # it had already finished
+        logger.info("%s: request %s aborted after %d completion tokens", why,
+                    self.builder.spec.response_id, self.builder.usage()["completion_tokens"])
 
     def cancel(self) -> None:
         """Aborts every request of this call that is still running."""
@@ -129,7 +147,8 @@ def start_completion(engine: EngineClient, model: ServedModel, req: CompletionRe
         raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported",
                        param="echo")
     prompts: list[PromptInput] = list(completion_prompts(req.prompt))
-    params = sampling_params(req, req.max_tokens, req.logprobs, default_max_tokens=16)
+    params = sampling_params(req, req.max_tokens, req.logprobs, default_max_tokens=16,
+                             defaults=engine.model_info.default_sampling_params)
     echo = [_prompt_text(engine, p) for p in prompts] if req.echo else None
     spec = CallSpec("completion", model.name, params.n, echo, req.logprobs,
                     req.include_usage, req.continuous_usage)
@@ -140,15 +159,38 @@ def start_chat(engine: EngineClient, model: ServedModel, req: ChatCompletionRequ
     """Validates a chat request, applies the chat template and queues it."""
     model.check(req.model)
     add_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-    prompt = engine.render_chat(chat_messages(req.messages), add_prompt)
+    tools = chat_tools(req)
+    mode, constraint = plan_tool_calls(tools, req.tool_choice, req.parallel_tool_calls,
+                                       model.tools)
+    prompt = render_chat(engine, model, req.messages, tools, add_prompt)
     top = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = req.max_completion_tokens or req.max_tokens
-    params = sampling_params(req, max_tokens, top, default_max_tokens=None)
+    params = sampling_params(req, max_tokens, top, default_max_tokens=None,
+                             defaults=engine.model_info.default_sampling_params)
+    if constraint is not None:  # tool_choice required or named: the call must parse
+        if params.structured_outputs is not None:
+            raise APIError(400, "a response_format or guided decoding constraint cannot be "
+                                "combined with a required or named tool_choice",
+                           param="tool_choice")
+        params = replace(params, structured_outputs=constraint)
     spec = CallSpec("chat", model.name, params.n, None, top, req.include_usage,
-                    req.continuous_usage)
+                    req.continuous_usage, tool_mode=mode)
     return _start(engine, spec, [prompt], params, req)
+
+
+def render_chat(engine: EngineClient, model: ServedModel, messages: list[ChatMessage],
+                tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+                ) -> dict[str, Any]:
+    """The prompt of a conversation: the chat template, with the tools and tool turns shown
+    to the model when there are any (server/tool_parsers/prompt.py)."""
+    plain = chat_messages(messages)
+    if not tools and not any(m["role"] == "tool" or "tool_calls" in m for m in plain):
+        return engine.render_chat(plain, add_generation_prompt)
+    if model.renders_tools is None:
+        model.renders_tools = template_renders_tools(engine)
+    return render_with_tools(engine, plain, tools, add_generation_prompt, model.renders_tools)
 
 
 def _start(engine: EngineClient, spec: CallSpec, prompts: list[PromptInput], params: Any,

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from engine.structured_output.constraints import validate as validate_constraint
 
 logger = logging.getLogger("kvserve.server")
 
@@ -61,6 +63,43 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool | None = None
 
 
+# Structured outputs and logit_bias (README, "Structured outputs").
+MAX_CHOICE_ITEMS = 1024  # strings in guided_choice / structured_outputs.choice
+MAX_LOGIT_BIAS = 4096  # entries in logit_bias (OpenAI documents no cap; vLLM has none)
+TokenIdKey = Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")]  # OpenAI sends token ids as keys
+LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                      Meta(max_length=MAX_LOGIT_BIAS)]
+Choices = Annotated[list[Annotated[str, Meta(min_length=1)]],
+                    Meta(min_length=1, max_length=MAX_CHOICE_ITEMS)]
+JsonSchema = dict[str, Any] | str  # a JSON schema, or its JSON text (vLLM accepts both)
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """response_format's `json_schema`: OpenAI's name, description, schema and strict."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs` request object: set exactly one constraint."""
+
+    json: JsonSchema | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Choices | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat completions."""
 
@@ -87,6 +126,15 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     # vLLM's: only requests with the same salt share prefix-cache blocks (tenant isolation).
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LENGTH)] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* extras and the newer
+    # structured_outputs object; at most one constraint per request.
+    response_format: ResponseFormat | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: str | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    logit_bias: LogitBias | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -116,12 +164,70 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+# Tool calls (README, "Tool calls"). OpenAI caps a request at 128 tools.
+MAX_TOOLS = 128
+MAX_TOOL_NAME_LENGTH = 256  # OpenAI allows 64; longer names only waste the prompt
+MAX_TOOL_CALL_ID_LENGTH = 1024
+ToolName = Annotated[str, Meta(min_length=1, max_length=MAX_TOOL_NAME_LENGTH)]
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """The function of an earlier assistant tool call: arguments as JSON text (OpenAI) or an
+    object (some clients)."""
+
+    name: ToolName
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """One tool call of an earlier assistant message."""
+
+    id: Annotated[str, Meta(max_length=MAX_TOOL_CALL_ID_LENGTH)] | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A function the model may call: `parameters` is its arguments' JSON schema."""
+
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    """The function a named tool_choice forces."""
+
+    name: ToolName
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """tool_choice `{"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """One chat message."""
+    """One chat message: an assistant message may carry tool_calls (content then may be
+    null), a tool message the tool_call_id it answers."""
 
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=MAX_TOOL_CALL_ID_LENGTH)] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -132,6 +238,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -143,6 +252,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
                         Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -240,8 +350,12 @@ def check_limits(request: Any) -> None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    default_max_tokens: int | None) -> SamplingParams:
-    """SamplingParams from request fields; unset fields take vLLM's defaults."""
+                    default_max_tokens: int | None,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """SamplingParams from request fields. An unset field takes the server's default from the
+    generation config (`defaults`, SamplingParams names: --generation-config and
+    --override-generation-config), else vLLM's default; `default_max_tokens` is the API's own
+    default (16 for completions, none for chat) under the generation config's."""
     values: dict[str, Any] = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "min_p": req.min_p, "seed": req.seed, "presence_penalty": req.presence_penalty,
@@ -252,10 +366,56 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs,
+        "structured_outputs": structured_outputs_of(req), "logit_bias": logit_bias_of(req),
     }
     values = {k: v for k, v in values.items() if v is not None}
+    defaults = dict(defaults or {})
+    default_max_tokens = defaults.pop("max_tokens", default_max_tokens)
+    for key, value in defaults.items():
+        values.setdefault(key, value)
     values["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
     return SamplingParams(**values)
+
+
+def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's one constraint (response_format, guided_*, structured_outputs), checked
+    as the engine will check it so an error names the field the client sent; None without."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", StructuredOutputsParams(json_object=True)))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise InvalidRequestError("response_format of type json_schema needs "
+                                      "json_schema.schema, the JSON schema", "response_format")
+        found.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.schema)))
+    guided = {"guided_json": StructuredOutputsParams(json=req.guided_json),
+              "guided_regex": StructuredOutputsParams(regex=req.guided_regex),
+              "guided_choice": StructuredOutputsParams(
+                  choice=None if req.guided_choice is None else tuple(req.guided_choice)),
+              "guided_grammar": StructuredOutputsParams(grammar=req.guided_grammar)}
+    found += [(name, params) for name, params in guided.items() if getattr(req, name) is not None]
+    so = req.structured_outputs
+    if so is not None:
+        found.append(("structured_outputs", StructuredOutputsParams(
+            json=so.json, json_object=bool(so.json_object), regex=so.regex,
+            choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar)))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [name for name, _ in found]
+        raise InvalidRequestError(f"set at most one output constraint; got {' and '.join(names)}",
+                                  names[1])
+    name, params = found[0]
+    validate_constraint(params, name)
+    return params
+
+
+def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
+    """logit_bias with integer token ids (the engine checks them against the vocabulary)."""
+    if not req.logit_bias:
+        return None
+    return {int(token): float(bias) for token, bias in req.logit_bias.items()}
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -285,11 +445,29 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template expects them: content flattened to text."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: content flattened to text, tool calls and
+    tool_call_id kept in OpenAI's shape. A trailing assistant message with no content and no
+    tool calls is dropped (Open WebUI and LibreChat send one as the answer's placeholder)."""
     if not messages:
         raise InvalidRequestError("messages must contain at least one message", "messages")
-    return [{"role": m.role, "content": _message_text(m)} for m in messages]
+    out = [_message_dict(m) for m in messages]
+    if len(out) > 1 and out[-1]["role"] == "assistant" and not out[-1]["content"] and \
+            "tool_calls" not in out[-1]:
+        out.pop()
+    return out
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": _message_text(message)}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _message_text(message: ChatMessage) -> str:
@@ -302,3 +480,28 @@ def _message_text(message: ChatMessage) -> str:
                                       "supported; only text parts are", "messages")
         texts.append(part.text)
     return "\n".join(texts)
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """Tools as the chat template takes them (unset fields left out); None for none."""
+    return [msgspec.to_builtins(tool) for tool in tools] if tools else None
+
+
+def chat_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as plain dicts (None when it has none), after OpenAI's checks: a
+    tool_choice other than "none" needs tools, a named one must be among them, and names are
+    unique."""
+    tools = tool_dicts(req.tools)
+    choice = req.tool_choice
+    if choice is not None and choice != "none" and not tools:
+        raise InvalidRequestError("tool_choice is only allowed when tools are specified; "
+                                  "send tools or drop tool_choice", "tool_choice")
+    names = [tool["function"]["name"] for tool in tools or []]
+    if len(set(names)) != len(names):
+        duplicate = next(name for name in names if names.count(name) > 1)
+        raise InvalidRequestError(f"tools holds two functions named {duplicate!r}; function "
+                                  "names must be unique", "tools")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise InvalidRequestError(f"tool_choice names the function {choice.function.name!r}, "
+                                  f"which is not in tools ({', '.join(names)})", "tool_choice")
+    return tools

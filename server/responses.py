@@ -1,5 +1,7 @@
 """OpenAI response shapes built from engine deltas: streamed chunks (shared by SSE and the
-WebSocket) and whole responses, for completions and chat completions.
+WebSocket) and whole responses, for completions and chat completions. A chat call with tools
+reads each choice's text through its tool-call parser (server/tool_parsers): content and
+`tool_calls` deltas when streamed, `message.tool_calls` when whole.
 
 One `ResponseBuilder` serves one API call: its prompts x n choices, each choice's text,
 logprobs and finish reason accumulated from the deltas it is fed.
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from server.tool_parsers.base import StreamDelta, ToolParser
+from server.tool_parsers.mode import ToolCallMode
 
 
 @dataclass
@@ -27,6 +31,7 @@ class CallSpec:
     include_usage: bool = False
     continuous_usage: bool = False
     response_id: str = ""
+    tool_mode: ToolCallMode | None = None  # chat with tools: how calls are read
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -48,6 +53,9 @@ class ChoiceState:
     text_offset: int = 0
     started: bool = False
     done: bool = False
+    # With a tool mode: the choice's parser and its calls so far ({"id", "type", "function"}).
+    tool_parser: ToolParser | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseBuilder:
@@ -56,6 +64,9 @@ class ResponseBuilder:
     def __init__(self, spec: CallSpec, num_prompts: int) -> None:
         self.spec = spec
         self.choices = [ChoiceState(i) for i in range(num_prompts * spec.n)]
+        if spec.tool_mode is not None:
+            for choice in self.choices:
+                choice.tool_parser = spec.tool_mode.new_parser()
         self.prompt_tokens = [0] * num_prompts
 
     # ---- accumulation ---------------------------------------------------------------------
@@ -80,14 +91,59 @@ class ResponseBuilder:
             text = self.spec.echo_texts[prompt_index] + text
         first = not state.started
         state.started = True
-        state.texts.append(text)
         state.num_tokens += len(out.token_ids)
         new_logprobs = self._logprobs(state, out)
         state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
         state.done = out.finish_reason is not None
+        if state.tool_parser is not None and self.spec.tool_mode is not None:
+            return self._tool_choice_delta(state, state.tool_parser, self.spec.tool_mode, text,
+                                           new_logprobs)
+        state.texts.append(text)
         if not text and not out.token_ids and not state.done and not first:
             return None
         return self._choice_delta(state, text, new_logprobs)
+
+    def _tool_choice_delta(self, state: ChoiceState, parser: ToolParser, mode: ToolCallMode,
+                           text: str, logprobs: list[dict[str, Any]] | None
+                           ) -> dict[str, Any] | None:
+        """A chat delta of a choice read for tool calls: content and tool-call pieces, in
+        OpenAI's streamed shape; None while the parser holds everything back. A choice that
+        called tools under auto or required finishes with "tool_calls" (unless cut short by
+        length, which stays "length")."""
+        parsed = parser.extract_tool_calls_streaming(text)
+        if state.done:
+            parsed.extend(parser.finish_streaming())
+        pieces = self._keep_calls(state, parsed, mode.parallel)
+        state.texts.append(parsed.content)
+        if state.done and state.tool_calls and mode.tool_calls_finish and \
+                state.finish_reason == "stop":
+            state.finish_reason = "tool_calls"
+        if not parsed.content and not pieces and not logprobs and not state.done:
+            return None
+        delta: dict[str, Any] = {}
+        if parsed.content:
+            delta["content"] = parsed.content
+        if pieces:
+            delta["tool_calls"] = pieces
+        return {"index": state.index, "delta": delta, "logprobs": _chat_logprobs(logprobs),
+                "finish_reason": state.finish_reason if state.done else None}
+
+    @staticmethod
+    def _keep_calls(state: ChoiceState, parsed: StreamDelta, parallel: bool
+                    ) -> list[dict[str, Any]]:
+        """Records the tool-call pieces (only the first call without parallel_tool_calls);
+        returns them in OpenAI's shape."""
+        pieces = []
+        for piece in parsed.tool_calls:
+            if piece.index > 0 and not parallel:
+                continue
+            if piece.name is not None:
+                state.tool_calls.append({"id": piece.id, "type": "function", "function": {
+                    "name": piece.name, "arguments": piece.arguments}})
+            else:
+                state.tool_calls[piece.index]["function"]["arguments"] += piece.arguments
+            pieces.append(piece.to_openai())
+        return pieces
 
     def _logprobs(self, state: ChoiceState,
                   out: CompletionOutput) -> list[dict[str, Any]] | None:
@@ -155,8 +211,7 @@ class ResponseBuilder:
     def final_body(self) -> dict[str, Any]:
         """The whole (non-streamed) response."""
         if self.spec.kind == "chat":
-            choices = [{"index": c.index,
-                        "message": {"role": "assistant", "content": "".join(c.texts)},
+            choices = [{"index": c.index, "message": _chat_message(c),
                         "logprobs": _chat_logprobs(c.logprobs if self._wants_logprobs else None),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                        for c in self.choices]
@@ -174,6 +229,14 @@ class ResponseBuilder:
     @property
     def _wants_logprobs(self) -> bool:
         return self.spec.top_logprobs is not None
+
+
+def _chat_message(choice: ChoiceState) -> dict[str, Any]:
+    """A whole chat choice's message: content is null when the choice only called tools."""
+    content = "".join(choice.texts)
+    if not choice.tool_calls:
+        return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None, "tool_calls": choice.tool_calls}
 
 
 def _finite(value: float) -> float:

@@ -3,6 +3,7 @@ with OpenAI's framing or returned whole."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -55,8 +56,12 @@ async def respond(request: web.Request, call: Call) -> web.StreamResponse:
             return await _stream_sse(request, call)
         body = await call.collect()
         return web.Response(body=orjson.dumps(body), content_type="application/json")
+    except asyncio.CancelledError:  # handler_cancellation: the client closed the connection
+        call.log_client_gone("the client disconnected")
+        raise
     finally:
         call.cancel()
+
 
 
 async def _stream_sse(request: web.Request, call: Call) -> web.StreamResponse:
@@ -66,8 +71,7 @@ async def _stream_sse(request: web.Request, call: Call) -> web.StreamResponse:
         async for chunk in call.chunks():
             await response.write(sse_event(chunk))
     except (ConnectionResetError, ConnectionError):
-        logger.debug("client went away mid-stream; request %s aborted",
-                     call.builder.spec.response_id)
+        call.log_client_gone("the client went away mid-stream")
         return response
     except Exception as exc:  # headers are sent: report the error in-stream
         await response.write(sse_event(from_exception(exc).body()))

@@ -45,6 +45,7 @@ class WebSocketSession:
         self.model = model
         self.state = state
         self.tasks: dict[RequestId, asyncio.Task[None]] = {}
+        self.closing = False  # the socket closed: requests still running are cut short
         self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._writer = asyncio.create_task(self._write_loop())
 
@@ -120,7 +121,10 @@ class WebSocketSession:
             async for chunk in call.chunks():
                 self.send({"type": "delta", "id": request_id, "data": chunk})
         except asyncio.CancelledError:
-            pass  # a cancel message: the final message below reports finish_reason abort
+            # A cancel message (the done message below reports finish_reason abort), or the
+            # socket went away: logged, as an HTTP client's disconnect is.
+            if self.closing:
+                call.log_client_gone(f"the websocket closed (id {request_id!r})")
         except Exception as exc:
             self.error(request_id, from_exception(exc))
             return
@@ -136,6 +140,7 @@ class WebSocketSession:
 
     async def close(self) -> None:
         """Aborts every request still running, then stops the writer."""
+        self.closing = True
         tasks = list(self.tasks.values())
         for task in tasks:
             task.cancel()

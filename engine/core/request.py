@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.outputs import SampleLogprobs
 from engine.sampling_params import SamplingParams
@@ -63,6 +65,9 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs = field(default_factory=list)
     first_scheduled_time: float | None = None  # monotonic; for the queue-time metric
+    # Structured outputs: the grammar being compiled for this request (an
+    # xgrammar.CompiledGrammar once done); the scheduler admits the request only then.
+    grammar: Future[Any] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from engine.core.kv_cache_manager import KVCacheManager
@@ -38,6 +38,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
+        # Requests ended without a token since the last take_failed() (a grammar failed to
+        # compile); the engine hands them to output processing.
+        self._failed: list[Request] = []
 
     def add_request(self, request: Request) -> None:
         """Queues a validated request."""
@@ -81,8 +84,9 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
-            if waits_for_sibling(request):
-                skipped.append(request)
+            if waits_for_sibling(request) or not self._grammar_ready(request):
+                if not request.is_finished:
+                    skipped.append(request)
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -99,6 +103,29 @@ class Scheduler:
             out.append((request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a structured-output request's grammar is compiled (always true without
+        one); a grammar that failed to compile ends its request with an error."""
+        grammar = request.grammar
+        if grammar is None:
+            return True
+        if not grammar.done():
+            return False
+        if grammar.cancelled() or grammar.exception() is not None:
+            self.finish(request, RequestStatus.FINISHED_ERROR)
+            self._failed.append(request)
+            return False
+        return True
+
+    def waiting_for_grammar(self) -> list[Request]:
+        """Waiting requests whose grammar is still compiling."""
+        return [r for r in self.waiting if r.grammar is not None and not r.grammar.done()]
+
+    def take_failed(self) -> list[Request]:
+        """Requests ended without a token since the last call (their grammar failed)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -127,11 +154,15 @@ class Scheduler:
             prompt_token_ids=tuple(request.prompt_token_ids) if history else (),
             output_token_ids=tuple(request.output_token_ids) if history else (),
             banned_token_ids=banned,
+            grammar=request.grammar.result() if request.grammar is not None else None,
         )
 
     def update_from_output(self, batch: SchedulerOutput, sampled: dict[str, int],
-                           logprobs: dict[str, PositionLogprobs]) -> list[Request]:
-        """Advances counters, appends sampled tokens, finishes requests; returns those touched."""
+                           logprobs: dict[str, PositionLogprobs],
+                           grammar_terminated: Collection[str] = (),
+                           grammar_rejected: Collection[str] = ()) -> list[Request]:
+        """Advances counters, appends sampled tokens, finishes requests; returns those touched.
+        A request whose grammar ended stops; one whose token its grammar refused fails."""
         touched = []
         for item in batch.requests:
             request = self.requests.get(item.request_id)
@@ -145,6 +176,11 @@ class Scheduler:
                 if item.request_id in logprobs:
                     request.logprobs.append(logprobs[item.request_id])
                 self._check_stop(request)
+                if not request.is_finished and (grammar_terminated or grammar_rejected):
+                    if item.request_id in grammar_rejected:
+                        self.finish(request, RequestStatus.FINISHED_ERROR)
+                    elif item.request_id in grammar_terminated:
+                        self.finish(request, RequestStatus.FINISHED_STOPPED)
                 touched.append(request)
         return touched
 

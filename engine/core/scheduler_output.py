@@ -7,9 +7,13 @@ Kept apart from the scheduler so the worker side imports these types and never t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,8 @@ class ScheduledRequest:
     output_token_ids: tuple[int, ...] = ()
     # Token ids that must not be sampled yet (min_tokens): EOS and stop ids.
     banned_token_ids: tuple[int, ...] = ()
+    # The compiled grammar of a structured-output request (engine/structured_output), or None.
+    grammar: xgrammar.CompiledGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -48,3 +54,7 @@ class StepResult:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # Structured outputs: requests whose grammar ended with this token (they stop, even with
+    # ignore_eos) and requests whose token the grammar refused (they end with an error).
+    grammar_terminated: set[str] = field(default_factory=set)
+    grammar_rejected: set[str] = field(default_factory=set)

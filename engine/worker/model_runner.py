@@ -139,7 +139,9 @@ class ModelRunner:
             hidden, rows = hidden[inputs.logits_indices], inputs.sampling_rows
         logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler.sample(logits, rows)
-        result = StepResult()
+        grammar = self.sampler.last_grammar_result
+        result = StepResult(grammar_terminated=grammar.terminated,
+                            grammar_rejected=grammar.rejected)
         for row, token, lp in zip(rows, tokens, logprobs, strict=True):
             result.sampled[row.request_id] = token
             if lp is not None:

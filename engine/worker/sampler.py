@@ -1,5 +1,6 @@
-"""Turns logits into tokens: penalties, min_tokens bans, greedy or seeded random sampling,
-top-k / top-p / min-p, and logprobs of the raw model distribution (as vLLM's default)."""
+"""Turns logits into tokens: the grammar mask of structured outputs, logit_bias, penalties,
+min_tokens bans, greedy or seeded random sampling, top-k / top-p / min-p, and logprobs of the raw
+model distribution (as vLLM's default)."""
 
 from __future__ import annotations
 
@@ -9,25 +10,38 @@ import torch
 
 from engine.core.scheduler_output import ScheduledRequest
 from engine.outputs import Logprob, PositionLogprobs
+from engine.structured_output.matchers import AcceptResult, GrammarMatchers
 
 
 class Sampler:
-    """Owns per-request random generators; lives on the worker thread."""
+    """Owns per-request random generators and grammar matchers; lives on the worker thread."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars = GrammarMatchers()
+        # What the last sample() did to the grammars (the model runner reports it).
+        self.last_grammar_result = AcceptResult()
 
     def forget(self, request_ids: frozenset[str]) -> None:
-        """Drops generators of finished requests."""
+        """Drops generators and grammar matchers of finished requests."""
         for rid in request_ids:
             self.generators.pop(rid, None)
+        self.grammars.forget(request_ids)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
                ) -> tuple[list[int], list[PositionLogprobs | None]]:
-        """logits: [num_rows, vocab] float32, one row per request that samples this step."""
+        """logits: [num_rows, vocab] float32, one row per request that samples this step.
+
+        Rows with a grammar or a logit_bias have their logits changed in place; the grammars
+        then accept the sampled tokens (`last_grammar_result` says which ended or refused).
+        """
         raw_logprobs = self._raw_logprobs(logits, rows)
-        logits = self._apply_penalties_and_bans(logits, rows)
+        constrained = self.grammars.constrained_rows(rows)
+        if constrained:
+            self.grammars.mask(logits, rows, constrained)
+        _apply_logit_bias(logits, rows)
+        logits = self._apply_penalties_and_bans(logits, rows, constrained)
         greedy = torch.tensor([r.sampling_params.greedy for r in rows], device=logits.device)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -35,6 +49,8 @@ class Sampler:
             tokens[random_rows] = self._sample_random(logits[random_rows],
                                                       [rows[i] for i in random_rows])
         token_list = tokens.tolist()
+        self.last_grammar_result = self.grammars.accept(rows, constrained, token_list) \
+            if constrained else AcceptResult()
         return token_list, self._gather_logprobs(raw_logprobs, token_list, rows)
 
     def _raw_logprobs(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
@@ -43,8 +59,8 @@ class Sampler:
             return None
         return torch.log_softmax(logits, dim=-1)
 
-    def _apply_penalties_and_bans(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
-                                  ) -> torch.Tensor:
+    def _apply_penalties_and_bans(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest],
+                                  constrained: Sequence[int] = ()) -> torch.Tensor:
         special = [i for i, r in enumerate(rows)
                    if r.sampling_params.needs_penalties or r.banned_token_ids]
         if not special:
@@ -53,7 +69,10 @@ class Sampler:
         for i in special:
             apply_penalties(logits[i], rows[i])
             if rows[i].banned_token_ids:
-                logits[i, list(rows[i].banned_token_ids)] = float("-inf")
+                banned = list(rows[i].banned_token_ids)
+                if i in constrained and _only_allowed(logits[i], banned):
+                    continue  # the grammar is complete: its end (EOS) outranks min_tokens
+                logits[i, banned] = float("-inf")
         return logits
 
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
@@ -103,6 +122,23 @@ class Sampler:
             entry[tokens[i]] = Logprob(chosen, rank)
             result[i] = entry
         return result
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> None:
+    """Adds each row's logit_bias (token id -> bias) to its logits, in place."""
+    for i, row in enumerate(rows):
+        bias = row.sampling_params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, values)
+
+
+def _only_allowed(logits: torch.Tensor, ids: list[int]) -> bool:
+    """Whether every token with a finite logit is among `ids` (banning them leaves nothing)."""
+    allowed = torch.isfinite(logits)
+    allowed[ids] = False
+    return not bool(allowed.any())
 
 
 def apply_penalties(logits: torch.Tensor, row: ScheduledRequest) -> None:

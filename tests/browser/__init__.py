@@ -1,0 +1,1 @@
+"""Browser tests of the built-in chat page (server/static) in headless Chromium."""
