@@ -214,7 +214,7 @@ class SocketTransport {
     const url = new URL("/v1/ws", location.href);
     url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
     // Browsers cannot set headers on a WebSocket: the server takes the key as ?api_key=.
-    if (state.apiKey) url.searchParams.set("api_key", state.apiKey);
+
     return url.href;
   }
 
@@ -284,7 +284,7 @@ class SocketTransport {
       cancel: () => {
         // The server answers a cancel with this id's done message (finish reason "abort").
         if (this.handlers.has(id) && ws.readyState === WebSocket.OPEN) {
-          void id;
+          ws.send(JSON.stringify({ type: "cancel", id }));
         }
       },
     };
