@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine.config import EngineArgs
-from engine.engine_client import ModelInfo
+from engine.engine_client import EngineLoad, ModelInfo
 from engine.errors import EngineDeadError, QueueFullError
 from engine.input_processor import Message, PromptInput
 from engine.llm_engine import LLMEngine
@@ -73,14 +73,16 @@ class AsyncEngine:
     """Runs LLMEngine steps as one asyncio task; hands out per-request streams of deltas."""
 
     def __init__(self, engine: LLMEngine, model_name: str | None = None,
-                 max_queue_len: int | None = None, stats_interval_s: float = 10.0) -> None:
+                 max_queue_len: int | None = None, stats_interval_s: float = 10.0,
+                 vllm_metric_names: bool = False) -> None:
         self.engine = engine
         info = engine.describe()
         self.model_info = ModelInfo(engine.model_name(), info["root"], info["max_model_len"],
                                     info["vocab_size"], engine.default_sampling_params)
         self.max_queue_len = max_queue_len
         self.model_name = model_name or self.model_info.name  # the name metrics are labelled with
-        self.metrics = EngineMetrics(engine.stats, info, self.model_name)
+        self.metrics = EngineMetrics(engine.stats, info, self.model_name,
+                                     vllm_names=vllm_metric_names)
         engine.output_processor.metrics = self.metrics
         self.step_times = StepTimes()
         self.stats_logger = StatsLogger(engine.stats, stats_interval_s, self.step_times)
@@ -145,6 +147,41 @@ class AsyncEngine:
     def metrics_text(self) -> bytes:
         """The Prometheus exposition of this engine's metrics."""
         return self.metrics.render()
+
+    def load(self) -> EngineLoad:
+        """Running and waiting requests and the KV token slots they hold."""
+        kv, scheduler = self.engine.kv, self.engine.scheduler
+        held = self.engine.num_blocks - kv.num_free_blocks
+        return EngineLoad(len(scheduler.running), len(scheduler.waiting),
+                          held * kv.block_size, self.engine.num_blocks * kv.block_size,
+                          kv.usage())
+
+    def server_info(self) -> dict[str, Any]:
+        """The engine's settings as plain JSON values (GET /server_info)."""
+        engine, info = self.engine, self.engine.describe()
+        return {"model_name": self.model_name, "model_path": info["root"],
+                "architecture": engine.model_config.architecture,
+                "max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"],
+                "dtype": str(engine.runner.dtype).removeprefix("torch."),
+                "device": str(engine.runner.device),
+                "block_size": info["block_size"], "num_gpu_blocks": info["num_gpu_blocks"],
+                "num_kv_cache_tokens": info["num_kv_cache_tokens"],
+                "cache_dtype": info["cache_dtype"],
+                "enable_prefix_caching": info["enable_prefix_caching"],
+                "max_num_seqs": engine.args.max_num_seqs,
+                "max_num_batched_tokens": engine.max_num_batched_tokens,
+                "max_queue_len": self.max_queue_len}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix, only while no request is waiting or running (as
+        SGLang's flush_cache); returns whether it did. Runs on the event-loop thread, where the
+        scheduler runs, so no step can be admitting a request meanwhile."""
+        if self.engine.has_unfinished_requests() or self._step_in_flight:
+            return False
+        done = self.engine.kv.reset_prefix_cache()
+        if done:
+            logger.info("prefix cache reset: every cached block forgotten")
+        return done
 
     def add_request(self, prompt: PromptInput, params: SamplingParams,
                     request_id: str) -> RequestStream:

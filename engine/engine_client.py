@@ -30,6 +30,17 @@ class ModelInfo:
     default_sampling_params: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy the engine is right now, for routers that pick the least loaded replica."""
+
+    num_running: int  # requests being computed
+    num_waiting: int  # requests queued, not yet scheduled
+    num_used_tokens: int  # KV token slots held by requests (blocks x block_size)
+    max_total_tokens: int  # KV token slots in all
+    kv_cache_usage: float  # share of KV blocks held by requests, 0.0 to 1.0
+
+
 class RequestHandle(Protocol):
     """One queued request: iterate it for its outputs (each step's delta); cancel() aborts."""
 
@@ -71,3 +82,13 @@ class EngineClient(Protocol):
     def abort_all(self, reason: str) -> None: ...
 
     def metrics_text(self) -> bytes: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def server_info(self) -> dict[str, Any]:
+        """The engine's settings as plain JSON values: model, KV cache and scheduler."""
+        ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False (nothing changed) while requests are in flight."""
+        ...

@@ -1,4 +1,5 @@
-"""Prometheus metrics under vLLM's names (prefix `kvserve:`) and the periodic stats log line.
+"""Prometheus metrics under vLLM's names (prefix `kvserve:`, and also `vllm:` with
+--vllm-metric-names) and the periodic stats log line.
 
 Counters that the scheduler and KV manager already keep (tokens, preemptions, prefix-cache
 queries and hits) are read live at scrape time by a custom collector, so there is one source
@@ -25,6 +26,9 @@ StatsSource = Callable[[], "EngineStats"]
 logger = logging.getLogger("kvserve")
 
 PREFIX = "kvserve:"
+# The prefix vLLM itself uses: Kubernetes' Gateway API inference extension and llm-d pick
+# replicas from vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc.
+VLLM_PREFIX = "vllm:"
 # Buckets as vLLM uses them, so dashboards built for it read the same here.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -88,11 +92,38 @@ class _LiveCollector:
         return family
 
 
-class EngineMetrics:
-    """The engine's Prometheus registry: live counters plus latency histograms."""
+class _Renamed:
+    """Every `kvserve:` family of another registry again under another prefix, read at scrape
+    time, so the two names always agree."""
 
-    def __init__(self, stats: StatsSource, cache_info: dict[str, Any], model_name: str) -> None:
+    def __init__(self, source: CollectorRegistry, prefix: str) -> None:
+        self.source = source
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if family.name.startswith(PREFIX):
+                renamed = Metric(self._rename(family.name), family.documentation, family.type)
+                renamed.samples = [s._replace(name=self._rename(s.name))
+                                   for s in family.samples]
+                yield renamed
+
+    def _rename(self, name: str) -> str:
+        return self.prefix + name.removeprefix(PREFIX)
+
+
+class EngineMetrics:
+    """The engine's Prometheus registry: live counters plus latency histograms; with
+    `vllm_names` each family is also exposed under vLLM's own prefix, `vllm:`."""
+
+    def __init__(self, stats: StatsSource, cache_info: dict[str, Any], model_name: str,
+                 vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.vllm_registry: CollectorRegistry | None = None
+        if vllm_names:
+            self.vllm_registry = CollectorRegistry(auto_describe=False)
+            alias = _Renamed(self.registry, VLLM_PREFIX)
+            self.vllm_registry.register(alias)  # type: ignore[arg-type]
         self.registry.register(_LiveCollector(stats, cache_info, model_name))  # type: ignore[arg-type]
         labels = ["model_name"]
         reg = self.registry
@@ -130,7 +161,10 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""
-        return bytes(generate_latest(self.registry))
+        text = bytes(generate_latest(self.registry))
+        if self.vllm_registry is not None:
+            text += bytes(generate_latest(self.vllm_registry))
+        return text
 
 
 @dataclass

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics
 from engine.async_engine import AsyncEngine
 from engine.config import EngineArgs
 from engine.engine_client import EngineClient
-from server import routes, websocket
+from server import router_api, routes, websocket
 from server.errors import APIError, Handler, error_middleware
 from server.generation import ServedModel, render_chat
 from server.openapi import openapi_document
@@ -165,7 +165,8 @@ def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
     names = config.served_model_names
     factory = engine_factory or (lambda: AsyncEngine.from_args(
         engine_args or EngineArgs(), model_name=names[0] if names else None,
-        max_queue_len=config.max_queue_len, stats_interval_s=config.stats_interval_s))
+        max_queue_len=config.max_queue_len, stats_interval_s=config.stats_interval_s,
+        vllm_metric_names=config.vllm_metric_names))
     app.cleanup_ctx.append(_engine_context(factory))
     app.on_shutdown.append(websocket.close_websockets)
     app.router.add_get("/health", health)
@@ -178,6 +179,7 @@ def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/openapi.json", openapi_json)
+    router_api.register(app)  # what vllm-router and SGLang's router call on their workers
     app.router.add_get("/", chat_page)
     app.router.add_static("/static", STATIC_DIR, show_index=False)  # no listing
     return app

@@ -13,6 +13,9 @@ DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 MAX_HEADER_LINE_BYTES = 8190
 MAX_HEADER_FIELD_BYTES = 8190
 MAX_HEADERS = 128
+# Shapes of GET /get_load (server/router_api.py): SGLang's router reads a list of per-rank
+# loads, vLLM's router (vllm-router) reads {"load": N}; both call the same path.
+GET_LOAD_FORMATS = ("sglang", "vllm-router")
 
 
 @dataclass
@@ -33,6 +36,9 @@ class ServerConfig:
     # front-ends send `tools` on every request; vLLM's flags mean what they mean there.
     enable_auto_tool_choice: bool = True
     tool_call_parser: str | None = "hermes"
+    # Routers in front of replicas (README, "Replicas behind a router").
+    vllm_metric_names: bool = False  # also expose /metrics under vLLM's `vllm:` names
+    get_load_format: str = "sglang"  # the shape of GET /get_load, one of GET_LOAD_FORMATS
 
     def validate(self) -> None:
         """Raises ValueError naming the bad setting."""
@@ -48,6 +54,9 @@ class ServerConfig:
         if not self.request_body_timeout_s > 0:
             raise ValueError("--request-body-timeout must be > 0, got "
                              f"{self.request_body_timeout_s}")
+        if self.get_load_format not in GET_LOAD_FORMATS:
+            raise ValueError(f"--get-load-format must be one of {', '.join(GET_LOAD_FORMATS)}, "
+                             f"got {self.get_load_format!r}")
         if self.tool_call_parser is not None:
             from server.tool_parsers import get_tool_parser
 
@@ -82,6 +91,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="format of the model's tool calls for tool_choice auto: hermes "
                              "(<tool_call>{json}</tool_call>, Qwen2.5 and Hermes style; "
                              "default: hermes)")
+    parser.add_argument("--vllm-metric-names", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="also expose every /metrics family under vLLM's prefix (vllm:"
+                             "num_requests_waiting, ...), for Kubernetes' Gateway API "
+                             "inference extension and llm-d (default: off)")
+    parser.add_argument("--get-load-format", choices=GET_LOAD_FORMATS, default="sglang",
+                        help="shape of GET /get_load: sglang = [{dp_rank, num_reqs, "
+                             "num_waiting_reqs, num_tokens}] (SGLang's router), vllm-router = "
+                             "{\"load\": N} (vLLM's router power_of_two policy) "
+                             "(default: sglang)")
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
@@ -91,4 +110,6 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout=ns.shutdown_timeout, max_body_bytes=ns.max_body_bytes,
                         request_body_timeout_s=ns.request_body_timeout,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                        tool_call_parser=ns.tool_call_parser)
+                        tool_call_parser=ns.tool_call_parser,
+                        vllm_metric_names=ns.vllm_metric_names,
+                        get_load_format=ns.get_load_format)

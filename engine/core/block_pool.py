@@ -164,6 +164,21 @@ class BlockPool:
         """Removes a block's hash entry (its contents are not to be trusted)."""
         self._evict(block)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix (SGLang's /flush_cache, vLLM's reset_prefix_cache).
+
+        Only when no request holds a block: a held block's hash may be about to be shared by
+        a request admitted in the same step, so, as vLLM does, the reset is refused (False,
+        nothing changed) until every block is free. The blocks stay in the free queue in their
+        order; only their hashes go, so the next identical prompt computes its KV again.
+        """
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

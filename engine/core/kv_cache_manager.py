@@ -119,6 +119,11 @@ class KVCacheManager:
                 request.num_computed_tokens // self.block_size:]:
             self.pool.uncache(block)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached prefix when no request holds a block; False (and no change)
+        otherwise. The hit counters are cumulative and keep counting."""
+        return self.pool.reset_prefix_cache()
+
     def free(self, request: Request) -> None:
         """Returns the request's blocks, tail first, so head blocks stay cached longest."""
         blocks = self.req_blocks.pop(request.request_id, [])
