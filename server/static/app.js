@@ -73,12 +73,33 @@ function loadConversations() {
 const state = {
   conversations: loadConversations(),
   currentId: localStorage.getItem(STORE.current),
-  settings: { ...DEFAULT_SETTINGS, ...loadJSON(STORE.settings, {}) },
+  settings: loadSettings(),
   apiKey: localStorage.getItem(STORE.apiKey) || "",
   models: [],
   // conversation id -> the Generation streaming into it (at most one per conversation)
   generations: new Map(),
 };
+
+/** Stored settings over the defaults, each kept only if it has the default's type. */
+function loadSettings() {
+  const stored = loadJSON(STORE.settings, {});
+  const settings = { ...DEFAULT_SETTINGS };
+  if (stored && typeof stored === "object") {
+    for (const key of Object.keys(settings)) {
+      const value = stored[key];
+      if (key === "maxTokens" && value === null) settings.maxTokens = null; // server default
+      else if (typeof value === typeof DEFAULT_SETTINGS[key]) settings[key] = value;
+    }
+  }
+  return settings;
+}
+
+/** A random id; crypto.randomUUID exists only on https or localhost, this works on plain
+ * http from another machine too. */
+function randomId() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+}
 
 function saveConversations() {
   saveJSON(STORE.conversations, state.conversations);
@@ -94,7 +115,7 @@ function currentConversation() {
 }
 
 function newConversation() {
-  const conv = { id: crypto.randomUUID(), title: "", updated: Date.now(), messages: [] };
+  const conv = { id: randomId(), title: "", updated: Date.now(), messages: [] };
   state.conversations.unshift(conv);
   state.currentId = conv.id;
   saveConversations();
@@ -214,7 +235,7 @@ class SocketTransport {
     const url = new URL("/v1/ws", location.href);
     url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
     // Browsers cannot set headers on a WebSocket: the server takes the key as ?api_key=.
-
+    if (state.apiKey) url.searchParams.set("api_key", state.apiKey);
     return url.href;
   }
 
@@ -545,10 +566,11 @@ class Generation {
     this.finish(reason === "abort" ? "stopped" : "done");
   }
 
+  /** The server's error message is shown under the answer (a 401 already asked for the key
+   * in apiFetch; the user can Regenerate once it is set). */
   fail(err) {
     this.message.error = err.message;
     this.finish("error");
-    if (err.status === 401) askApiKey(err.message);
   }
 
   finish(messageState) {
@@ -677,7 +699,12 @@ function codeBlock(lang, lines) {
   const code = el("code", null, lines.join("\n"));
   if (lang) code.dataset.lang = lang;
   copy.addEventListener("click", () => {
-    navigator.clipboard?.writeText(code.textContent).then(
+    // The clipboard API exists only on https or localhost.
+    if (!navigator.clipboard) {
+      copy.textContent = "Select the text to copy";
+      return;
+    }
+    navigator.clipboard.writeText(code.textContent).then(
       () => (copy.textContent = "Copied"),
       () => (copy.textContent = "Copy failed"),
     );
@@ -773,11 +800,15 @@ function renderMessageSoon(message) {
   frameRequested = true;
   requestAnimationFrame(() => {
     frameRequested = false;
+    // Follow a growing answer, unless the reader scrolled up to read something else.
+    const list = $("messages");
+    const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 40;
     for (const m of dirty) {
       const node = messageNodes.get(m);
       if (node && node.isConnected) fillMessage(node, m);
     }
     dirty.clear();
+    if (atBottom) list.scrollTop = list.scrollHeight;
   });
 }
 
@@ -844,17 +875,6 @@ function renderMessages() {
     return node;
   });
   list.replaceChildren(...nodes);
-  // Regenerate acts on the last answer; one button below the list, so it survives re-renders.
-  if (messages.length && messages.at(-1).role === "assistant") {
-    const actions = el("li", "message-actions");
-    const button = el("button", "regenerate", "↻ Regenerate");
-    button.type = "button";
-    button.id = "regenerate";
-    button.dataset.testid = "regenerate";
-    button.addEventListener("click", regenerate);
-    actions.append(button);
-    list.append(actions);
-  }
   list.lastElementChild?.scrollIntoView({ block: "end" });
 }
 
@@ -862,6 +882,10 @@ function renderComposer() {
   const busy = state.generations.has(state.currentId);
   $("send").hidden = busy;
   $("stop").hidden = !busy;
+  // Regenerate replaces the last answer; it sits in the composer, where it does not move
+  // while an answer grows.
+  const last = currentConversation()?.messages.at(-1);
+  $("regenerate").hidden = last?.role !== "assistant";
   document.body.dataset.busy = String(busy);
 }
 
@@ -1052,6 +1076,7 @@ function setupComposer() {
       send();
     }
   });
+  $("regenerate").addEventListener("click", regenerate);
   $("stop").addEventListener("click", () => {
     stopCurrent();
     input.focus();

@@ -22,13 +22,16 @@ MAX_MODEL_LEN = 1024  # the tiny Llama's max_position_embeddings: room for a lon
 SERVED_NAMES = ("tiny-llama", "tiny-llama-b")
 API_KEY = "browser-test-key"
 WINDOW = (1280, 900)
+# float32 whatever the CPU offers (`--dtype auto` picks bfloat16 where the CPU has it), so the
+# tiny Llama's answers, and the long one the Stop tests need, are the same on every machine.
+PINNED = ("--dtype", "float32")
 
 
 @pytest.fixture(scope="session")
 def chat_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[ServerProcess]:
     """The tiny Llama served as two names with --max-model-len 1024."""
-    with kvserve(tiny_llama_dir, "--max-model-len", str(MAX_MODEL_LEN),
+    with kvserve(tiny_llama_dir, *PINNED, "--max-model-len", str(MAX_MODEL_LEN),
                  "--served-model-name", *SERVED_NAMES,
                  log_dir=tmp_path_factory.mktemp("chat_server")) as server:
         yield server
@@ -38,7 +41,8 @@ def chat_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def keyed_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[ServerProcess]:
     """The tiny Llama behind --api-key."""
-    with kvserve(tiny_llama_dir, "--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY,
+    with kvserve(tiny_llama_dir, *PINNED, "--max-model-len", str(MAX_MODEL_LEN),
+                 "--api-key", API_KEY,
                  log_dir=tmp_path_factory.mktemp("keyed_server")) as server:
         yield server
 

@@ -131,6 +131,25 @@ class ChatPage:
     def last_answer(self) -> WebElement:
         return self.answers()[-1]
 
+    def wait_first_token(self, count: int, timeout: float = TIMEOUT_S) -> None:
+        """Waits until `count` answers are on screen and the last one streams and shows text.
+        The check runs inside the page every 2 ms, so the test acts right after the first
+        tokens appear (the tiny model streams a long answer in about a second)."""
+        self.driver.set_script_timeout(timeout)
+        self.driver.execute_async_script("""
+            const [count, done] = arguments;
+            (function check() {
+              const answers = document.querySelectorAll(
+                '[data-testid="message"][data-role="assistant"]');
+              const last = answers[answers.length - 1];
+              if (answers.length === count && last.dataset.state === 'streaming'
+                  && last.querySelector('[data-testid="message-content"]').textContent) {
+                done(true);
+              } else {
+                setTimeout(check, 2);
+              }
+            })();""", count)
+
     def wait_answer(self, count: int, timeout: float = TIMEOUT_S) -> WebElement:
         """Waits until `count` answers are on screen and the last one has finished (done,
         stopped or error); returns it."""

@@ -14,7 +14,6 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.select import Select
 
 from loadtest.serve_process import free_port
@@ -26,9 +25,11 @@ from tests.support.server_process import ServerProcess
 
 STATIC = Path(__file__).resolve().parents[2] / "server" / "static"
 SYSTEM = "You answer briefly."
-# The tiny Llama's greedy answer to this prompt (ChatML, no system prompt) runs past 960 tokens
-# without an EOS: about a second of streaming, long enough to stop midway.
-LONG_PROMPT = "Count to one thousand"
+# A long answer to stop midway: the first of these prompts whose greedy answer runs all
+# LONG_MAX_TOKENS without an EOS (about a second of streaming from the tiny Llama). Picked at
+# run time, so a change to the chat template or the numerics picks another one.
+LONG_CANDIDATES = ("Count to one thousand", "Stop here", "Hello there", "Keep talking", "Hi",
+                   "Go on", "Write a long letter", "Tell me everything", "Please continue")
 LONG_MAX_TOKENS = 960
 # Strings that would run code if they ever reached the DOM as markup; each sets window.__xss.
 HOSTILE = [
@@ -39,6 +40,7 @@ HOSTILE = [
     "[click me](javascript:window.__xss='link') and [ok](https://example.org/a?b=<c>)",
     "`<iframe srcdoc=\"<script>parent.__xss = 'iframe'</script>\"></iframe>`",
     "> <details open ontoggle=\"window.__xss = 'details'\">\n- <a href=x>a</a>",
+    "<img src=x onerror=\"window.__xss = 'before'\"> before `code`, <svg/onload=x()> after",
 ]
 MARKUP_TAGS = "script, img, svg, iframe, details, b, object, embed, [onerror], [onload]"
 
@@ -49,16 +51,9 @@ def chat_answer(server: ServerProcess, messages: list[dict[str, str]], **params:
     return str(body["choices"][0]["message"]["content"])
 
 
-def streaming_answer(page: ChatPage) -> WebElement:
-    """Waits (polling fast) until an answer is streaming and already shows text: tokens appear
-    before the answer ends."""
-    def shown(_: WebDriver) -> WebElement | bool:
-        for answer in page.answers():
-            if answer.get_attribute("data-state") == "streaming" and page.shown_text(answer):
-                return answer
-        return False
-
-    return page.wait(shown, poll=0.005)
+def aborted(server: ServerProcess) -> float:
+    """Requests the server has finished as aborted so far."""
+    return scrape(server.url).value("request_success_total", finished_reason="abort")
 
 
 def xss_flag(driver: WebDriver) -> Any:
@@ -68,12 +63,15 @@ def xss_flag(driver: WebDriver) -> Any:
 
 
 @pytest.fixture(scope="module")
-def long_answer(chat_server: ServerProcess) -> str:
-    """The whole greedy answer to LONG_PROMPT: a stopped answer must be a strict prefix."""
-    text = chat_answer(chat_server, [{"role": "user", "content": LONG_PROMPT}],
-                       max_tokens=LONG_MAX_TOKENS)
-    assert text
-    return text
+def long_prompt(chat_server: ServerProcess) -> tuple[str, str]:
+    """A prompt from LONG_CANDIDATES and its whole greedy answer, which reaches max tokens (a
+    stopped answer must be a strict prefix of it)."""
+    for prompt in LONG_CANDIDATES:
+        body = api_answer(chat_server, [{"role": "user", "content": prompt}], temperature=0,
+                          top_p=1, max_tokens=LONG_MAX_TOKENS)
+        if body["choices"][0]["finish_reason"] == "length":
+            return prompt, str(body["choices"][0]["message"]["content"])
+    raise AssertionError(f"no greedy answer to {LONG_CANDIDATES} runs {LONG_MAX_TOKENS} tokens")
 
 
 # ---- serving ---------------------------------------------------------------------------------
@@ -139,10 +137,13 @@ def test_streamed_answer_equals_the_api_greedy_answer(page: ChatPage,
 
 @pytest.mark.parametrize("transport", ["websocket", "sse"])
 def test_stop_cancels_the_request_on_the_server(page: ChatPage, chat_server: ServerProcess,
-                                                long_answer: str, transport: str) -> None:
+                                                long_prompt: tuple[str, str],
+                                                transport: str) -> None:
+    prompt, long_answer = long_prompt
     page.configure(temperature=0, max_tokens=LONG_MAX_TOKENS, transport=transport)
-    page.send(LONG_PROMPT)
-    streaming_answer(page)
+    aborts = aborted(chat_server)
+    page.send(prompt)
+    page.wait_first_token(1)  # tokens appear before the answer ends
     assert scrape(chat_server.url)["running"] == 1
     page.by_id("stop").click()
     answer = page.wait_answer(1)
@@ -151,6 +152,7 @@ def test_stop_cancels_the_request_on_the_server(page: ChatPage, chat_server: Ser
 
     # The server aborts the request: nothing runs, every KV block is free again.
     wait_idle(chat_server.url)
+    assert aborted(chat_server) == aborts + 1
     page.wait(lambda _: page.running_on_server() == 0, timeout=10)
     assert page.testid("metric-waiting").text == "0"
     assert page.testid("metric-kv").text == "0.0%"
@@ -194,27 +196,33 @@ def test_second_turn_includes_the_first(page: ChatPage, chat_server: ServerProce
 
 
 def test_regenerate_and_two_conversations_share_the_socket(page: ChatPage,
-                                                          chat_server: ServerProcess) -> None:
+                                                          chat_server: ServerProcess,
+                                                          long_prompt: tuple[str, str]) -> None:
+    prompt = long_prompt[0]
     page.configure(temperature=0, max_tokens=LONG_MAX_TOKENS)
-    page.send(LONG_PROMPT)
-    streaming_answer(page)
+    aborts = aborted(chat_server)
+    page.send(prompt)
+    page.wait_first_token(1)
     page.testid("regenerate").click()  # mid-answer: the old id is cancelled, a new one starts
-    streaming_answer(page)
-    assert len(page.answers()) == 1
+    page.wait(lambda _: aborted(chat_server) == aborts + 1, timeout=10)
+    page.wait_first_token(1)
+    # While it streams, a second conversation: the message is typed first (Enter would not send
+    # it here, one answer at a time per conversation), then New chat and Enter start it.
+    page.type_message(prompt)
     page.testid("new-chat").click()
-    page.send(LONG_PROMPT)
-    page.wait(lambda _: len(page.answers()) == 1 and page.shown_text(page.last_answer()))
+    page.by_id("prompt").send_keys(Keys.ENTER)
+    page.wait_first_token(1)
+    assert scrape(chat_server.url)["running"] == 2  # both answers stream at once
     assert page.driver.execute_script("return kvchat.state.generations.size") == 2
     page.by_id("stop").click()  # stops the second conversation only
     assert page.wait_answer(1).get_attribute("data-state") == "stopped"
-    assert page.driver.execute_script("return kvchat.state.generations.size") == 1
-
-    # Back to the first conversation: still streaming its regenerated answer; stop it too.
+    # Back to the first conversation (listed second: the newest comes first); stop it too.
     page.driver.find_elements(By.CSS_SELECTOR, '[data-testid="conversation"]')[1].click()
-    page.by_id("stop").click()
-    answer = page.wait_answer(1)
-    assert answer.get_attribute("data-state") == "stopped"
+    if page.driver.execute_script("return kvchat.state.generations.size"):
+        page.by_id("stop").click()
+    assert page.wait_answer(1).get_attribute("data-state") in ("stopped", "done")
     wait_idle(chat_server.url)
+    assert aborted(chat_server) >= aborts + 2  # the replaced answer and the second one
     # The three requests of this test went over the one socket the page opened.
     socket = page.driver.execute_script(
         "return {opened: kvchat.socket.opened, sent: kvchat.socket.nextId - 1}")
@@ -225,7 +233,7 @@ def test_regenerate_and_two_conversations_share_the_socket(page: ChatPage,
     page.testid("regenerate").click()
     answer = page.wait_answer(1)
     assert answer.get_attribute("data-state") == "done"
-    expected = chat_answer(chat_server, [{"role": "user", "content": LONG_PROMPT}], max_tokens=8)
+    expected = chat_answer(chat_server, [{"role": "user", "content": prompt}], max_tokens=8)
     assert page.stored_messages()[-1]["content"] == expected
 
 
@@ -290,6 +298,7 @@ def test_the_renderer_keeps_hostile_text_as_text(page: ChatPage) -> None:
     assert link["hrefs"] == ["https://example.org/a?b=%3Cc%3E"]
     assert "<iframe srcdoc=" in by_source[HOSTILE[5]]["text"]
     assert "<details open ontoggle=" in by_source[HOSTILE[6]]["text"]
+    assert by_source[HOSTILE[7]]["text"] == HOSTILE[7].replace("`", "")
     # ... and it is on screen as the literal characters.
     visible = page.driver.find_elements(By.CSS_SELECTOR, ".probe")[1].text
     assert visible == HOSTILE[1]
