@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine import cpu_features
 from engine.generation_config import parse_override
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -23,6 +24,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                  "fp16": "float16"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# --quantization: weight-only methods applied at load (engine/quantization/).
+QUANTIZATION_METHODS = ("none", "int8", "int4")
+# Group sizes torch's int4 CPU kernel takes (--quantization-group-size).
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 # The torch element type of each fp8 --kv-cache-dtype; `fp8` is vLLM's alias for e4m3 (the
 # finer mantissa; e5m2 trades it for range, which scale-1.0 K/V values rarely need).
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -132,8 +137,15 @@ class EngineArgs:
     model: str | None = _flag(None, "HF checkpoint folder or .gguf file (default: the embedded "
                               "SmolLM2-135M-Instruct)", cli=False)
     tokenizer: str | None = _flag(None, "tokenizer folder (default: the model's)", cli=False)
-    dtype: str = _flag("auto", "auto|float32|bfloat16|float16 (default: auto = float32 on CPU, "
-                       "bfloat16 on CUDA)", plan=True)
+    dtype: str = _flag("auto", "auto|float32|bfloat16|float16 (default: auto = bfloat16 on "
+                       "CUDA and on CPUs with avx512_bf16 or amx_bf16, else float32)", plan=True)
+    quantization: str = _flag(
+        "none", "weight-only quantization of the linear layers, done at load: none, int8 (per "
+        "output channel) or int4 (per group of --quantization-group-size inputs)", plan=True,
+        choices=QUANTIZATION_METHODS)
+    quantization_group_size: int | None = _flag(
+        None, "int4 group size: 32, 64, 128 or 256 input columns per scale (default: 32, which "
+        "fits every shape and matches GGUF's Q4 blocks)", plan=True)
     max_model_len: int | None = _flag(None, "prompt + output token limit (default: the model's)",
                                       plan=True)
     max_num_seqs: int = _flag(256, "most requests running at once", plan=True)
@@ -189,6 +201,16 @@ class EngineArgs:
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         self.dtype = dtype
+        if self.quantization is None:  # vLLM's spelling of "no quantization"
+            self.quantization = "none"
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"unknown quantization {self.quantization!r}; use one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
+        if (self.quantization_group_size is not None
+                and self.quantization_group_size not in INT4_GROUP_SIZES):
+            raise ValueError(f"quantization_group_size must be one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))}, got "
+                             f"{self.quantization_group_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")
@@ -222,9 +244,12 @@ class EngineArgs:
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        """`auto` picks bfloat16 on CUDA and float32 on CPU (see README: dtype on CPU)."""
+        """`auto` picks bfloat16 on CUDA; on CPU bfloat16 where oneDNN runs bf16 matmuls
+        natively (avx512_bf16 or amx_bf16), else float32 (see README: dtype on CPU)."""
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            if device.type == "cuda":
+                return torch.bfloat16
+            return cpu_features.auto_cpu_dtype()[0]
         return DTYPES[self.dtype]
 
 

@@ -4,7 +4,8 @@ No weights are loaded. The budget follows vLLM's profiler:
 
     KV cache bytes = memory x --gpu-memory-utilization - weights - activation reserve
 
-where the weights are num_params x dtype bytes (a GGUF is dequantized to --dtype on load) and the
+where the weights are num_params x dtype bytes (a GGUF is dequantized to --dtype on load), or
+their codes and scales under --quantization (`engine.quantization.quantized_weight_bytes`), and the
 activation reserve is an estimate of what `kvserve serve` measures at startup (see
 `estimate_activation_reserve`). The cache is then split into blocks with the seed's formula and
 shown as max concurrency for a few max_model_len values.
@@ -31,6 +32,7 @@ from engine.capacity import (
     triage_steps,
 )
 from engine.config import EngineArgs, ModelConfig, add_engine_flags, engine_args_from_flags
+from engine.quantization import quantized_weight_bytes
 
 CANDIDATE_MODEL_LENS = (2048, 4096, 8192, 16384, 32768)
 # Tokens in the profiling forward pass when --max-num-batched-tokens is not given: vLLM V1's
@@ -190,7 +192,8 @@ def build_plan(args: EngineArgs, memory_bytes: int,
         load_model_config(args.model)
     user_len = resolve_max_model_len(cfg, args) if args.max_model_len is not None else None
     dtype = args.resolved_dtype(PLAN_DEVICE)
-    weight_bytes = cfg.num_params() * dtype.itemsize
+    weight_bytes = quantized_weight_bytes(cfg, args.quantization, dtype,
+                                          args.quantization_group_size)
     # The same step budget `serve` would use for these flags (and so the same activation peak).
     step_tokens = resolve_max_num_batched_tokens(args, user_len or cfg.max_position_embeddings)
     activation = estimate_activation_reserve(cfg, dtype.itemsize, step_tokens, args.max_num_seqs)
@@ -226,7 +229,11 @@ def _memory_lines(r: PlanReport) -> list[str]:
         f"Memory: {format_gib(r.memory_bytes)} x --gpu-memory-utilization "
         f"{r.args.gpu_memory_utilization} = {format_gib(r.budget_bytes)}",
         f"  weights             {format_gib(r.weight_bytes):>11}  = "
-        f"{r.model_config.num_params():,} params x {r.dtype.itemsize} B ({_dtype_name(r.dtype)})",
+        f"{r.model_config.num_params():,} params x {r.dtype.itemsize} B ({_dtype_name(r.dtype)})"
+        if r.args.quantization == "none" else
+        f"  weights             {format_gib(r.weight_bytes):>11}  = {r.model_config.num_params():,}"
+        f" params, --quantization {r.args.quantization} (codes and scales; the rest in "
+        f"{_dtype_name(r.dtype)})",
         f"  activation reserve  {format_gib(a.total_bytes):>11}  = "
         f"{CUDA_OVERHEAD_BYTES // 1024**2} MiB (CUDA context, cuBLAS) + {a.profile_tokens:,} "
         f"batched tokens x {a.per_token_elements:,} (4 x hidden + 3 x intermediate + "

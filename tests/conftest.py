@@ -11,12 +11,27 @@ import pytest
 import torch
 from gguf import GGUFReader
 
+from engine import cpu_features
 from engine.model_loader.gguf.weights import default_model_path
 from tests.support.server_process import ServerProcess, kvserve
 from tests.support.tiny_models import build_tiny_model
 
 # Tests never reach a model hub: everything they load is built here or shipped in a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_dtype_auto_is_float32() -> Iterator[None]:
+    """`--dtype auto` is float32 on CPU in every test, whatever the machine's CPU flags.
+
+    On CPUs with avx512_bf16 or amx_bf16 `auto` means bfloat16, but the parity tests compare
+    with transformers' float32 at tight tolerances, and CI machines may be either kind: so the
+    session sees a CPU without native bf16, and the servers get `--dtype float32`
+    (tests/support/server_process.py). test_cpu_dtype.py covers both choices with its own flags.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_features, "read_cpu_flags", lambda: frozenset())
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -3,19 +3,27 @@ batch into sampled tokens. It never touches scheduler state."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
+from engine.capacity import format_gib
 from engine.config import FP8_KV_CACHE_DTYPES, EngineArgs, ModelConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
+from engine.cpu_features import auto_cpu_dtype
 from engine.model_loader.loader import ModelSource, iter_weights
 from engine.models import build_model
 from engine.models.cpu_linear import pack_linears
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization import cast_float_parameters, quantize_model, resident_weight_bytes
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.worker.input_batch import decode_batch, prepare_inputs
 from engine.worker.sampler import Sampler
 from kernels.selector import get_attention_backend
+
+logger = logging.getLogger("kvserve")
 
 
 class ModelRunner:
@@ -38,22 +46,44 @@ class ModelRunner:
         self.max_model_len = max_model_len
 
     def _load_model(self, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
+        start = time.perf_counter()
+        if self.args.dtype == "auto" and self.device.type == "cpu":
+            dtype, why = auto_cpu_dtype()
+            logger.info("--dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."),
+                        why)
+        quantization = self.args.quantization
+        # Quantized methods start from float32 weights (not ones already rounded to 16 bits).
+        load_dtype = self.dtype if quantization == "none" else torch.float32
         with torch.device("meta"):
             model = build_model(self.config, self.backend, max_model_len, self.device)
-        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        model = model.to(dtype=load_dtype).to_empty(device=self.device)
         if self.config.tie_word_embeddings:  # to_empty unties shared parameters
             model.lm_head.weight = model.embed_tokens.weight
         if self.args.load_format == "dummy":
             _init_dummy_weights(model)
         else:
-            model.load_weights(iter_weights(source, self.dtype))
-        self._weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            model.load_weights(iter_weights(source, load_dtype))
+        how = "unquantized"
+        if quantization != "none":
+            report = quantize_model(model, quantization, self.dtype, self.device,
+                                    self.args.quantization_group_size)
+            cast_float_parameters(model, self.dtype)
+            how = (f"--quantization {quantization}: {report.fused_layers} of {report.layers} "
+                   f"linear layers on torch's fused {quantization} kernel, "
+                   f"{report.layers - report.fused_layers} dequantized per call, activations "
+                   f"in {str(report.compute_dtype).removeprefix('torch.')}; LM head "
+                   f"{report.lm_head}")
         if self.device.type == "cpu":
             pack_linears(model)
+        self._weight_bytes = resident_weight_bytes(model)
+        logger.info("Model loading took %s and %.2f seconds (%s weights, %s)",
+                    format_gib(self._weight_bytes), time.perf_counter() - start,
+                    str(self.dtype).removeprefix("torch."), how)
         return model.eval()
 
     def weight_bytes(self) -> int:
-        """Bytes the checkpoint's weights occupy (tied tensors counted once)."""
+        """Bytes the weights occupy as loaded: quantized codes and scales where --quantization
+        is on (tied tensors counted once)."""
         return self._weight_bytes
 
     def kv_cache_dtype(self) -> torch.dtype:

@@ -52,11 +52,12 @@ class ServerProcess:
 def kvserve(model: Path | str, *flags: str, log_dir: Path) -> Iterator[ServerProcess]:
     """Starts `kvserve serve MODEL FLAGS...` on a free port; stops it on exit.
 
-    `--max-num-seqs` is passed at the engine's default unless FLAGS set it (the later flag
-    wins); each server logs to its own `kvserve-PORT.log` in `log_dir`.
+    `--max-num-seqs` is passed at the engine's default and `--dtype float32` (what `auto` is
+    on CPUs without native bf16, and what the tests compare against) unless FLAGS set them
+    (the later flag wins); each server logs to its own `kvserve-PORT.log` in `log_dir`.
     """
     spec = kvserve_spec(Path(model), NUM_THREADS, EngineArgs().max_num_seqs, log_dir,
-                        list(flags))
+                        ["--dtype", "float32", *flags])
     spec = dataclasses.replace(spec, log_path=log_dir / f"kvserve-{spec.port}.log")
     running = start_server(spec)
     server = ServerProcess(running)

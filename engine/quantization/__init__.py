@@ -1,0 +1,253 @@
+"""`--quantization`: weight-only int8 / int4 for the linear layers, chosen at load.
+
+`quantize_model` replaces a loaded float model's linear layers by `QuantizedLinear`s of the
+chosen method (see `methods.py`); `quantized_weight_bytes` predicts, from the config alone, the
+bytes the weights will then take (`kvserve plan`), and `resident_weight_bytes` counts them on a
+loaded model (the startup line and the KV budget).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.config import QUANTIZATION_METHODS, ModelConfig
+from engine.cpu_features import auto_cpu_dtype
+from engine.models.cpu_linear import PackedLinear
+from engine.quantization.methods import (
+    ApplyPlan,
+    Int4Method,
+    Int8Embedding,
+    Int8Method,
+    LinearMethod,
+    QuantizedLinear,
+)
+
+logger = logging.getLogger("kvserve")
+
+
+# The LM head (and, when tied, the embedding that shares its weight) under each method: it is
+# the largest single matrix of a small model (21% of SmolLM2's weights), so it is quantized too,
+# but never below int8 (see README, "Weight-only quantization", for the measurements).
+LM_HEAD_METHOD = {"int8": "int8", "int4": "int8"}
+# Relative error the startup probe allows between the fused kernel and the dequantized
+# reference, by compute dtype (bf16 activations round to 8 bits of mantissa).
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def apply_plan(method: str, model_dtype: torch.dtype, device: torch.device) -> ApplyPlan:
+    """How `method` computes for a model of `model_dtype` on `device` (before the probe).
+
+    Measured on SmolLM2 (README, "Weight-only quantization"): torch's fused int8/int4 CPU
+    kernels are fast with 16-bit activations and 5-10x slower than a float linear with float32
+    ones. So 16-bit models run fused in their dtype; float32 models run fused with bfloat16
+    activations where the CPU has native bf16 (the output is cast back to float32), and
+    otherwise dequantize each weight to float32 before a float32 matmul. Off CPU (not tuned
+    yet) every method dequantizes.
+    """
+    if device.type != "cpu":
+        return ApplyPlan("dequant", model_dtype)
+    if model_dtype in (torch.bfloat16, torch.float16):
+        return ApplyPlan("fused", model_dtype)
+    if auto_cpu_dtype()[0] == torch.bfloat16:
+        return ApplyPlan("fused", torch.bfloat16)
+    return ApplyPlan("dequant", model_dtype)
+
+
+def make_method(method: str, plan: ApplyPlan, group_size: int | None) -> LinearMethod:
+    """The LinearMethod for `method` ("int8" or "int4")."""
+    if method == "int8":
+        return Int8Method(plan)
+    if method == "int4":
+        return Int4Method(plan, group_size)
+    raise ValueError(f"unknown quantization {method!r}; use one of "
+                     f"{', '.join(QUANTIZATION_METHODS)}")
+
+
+_PROBES: dict[tuple[str, int | None, torch.dtype], str | None] = {}
+
+
+def probe_fused(method: LinearMethod) -> str | None:
+    """Runs a small fused matmul against the dequantized reference; None when it agrees, else
+    why not (an op missing on this torch, or a wrong result). Cached per method and dtype."""
+    group = getattr(method, "group_size", None)
+    key = (method.name, group, method.plan.compute_dtype)
+    if key not in _PROBES:
+        _PROBES[key] = _run_probe(method)
+    return _PROBES[key]
+
+
+def _run_probe(method: LinearMethod) -> str | None:
+    dtype = method.plan.compute_dtype
+    gen = torch.Generator().manual_seed(0)
+    in_features = 2 * (getattr(method, "group_size", None) or 64)
+    weight = torch.randn(64, in_features, generator=gen)
+    x = torch.randn(5, in_features, generator=gen).to(dtype)
+    try:
+        tensors = method.create_weights(weight)
+        got = method.fused_matmul(x, tensors).float()
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    want = x.float() @ method.dequantize(tensors).float().t()
+    error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+    if not error <= PROBE_TOLERANCE.get(dtype, 2e-2):
+        return f"result off by {error:.2e} of its largest value"
+    return None
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    """What `quantize_model` did, for the startup line."""
+
+    method: str
+    layers: int
+    fused_layers: int
+    compute_dtype: torch.dtype
+    lm_head: str
+    fallback_reason: str | None
+
+
+def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
+                   device: torch.device, group_size: int | None = None,
+                   plan: ApplyPlan | None = None) -> QuantizationReport:
+    """Replaces the decoder's linear layers (and the LM head, see LM_HEAD_METHOD) of a loaded
+    float model by QuantizedLinears. Call with float32 weights, then cast the rest.
+
+    `plan` overrides `apply_plan` (benchmarks). When the fused kernel fails the probe, every
+    layer dequantizes instead and a WARNING says why.
+    """
+    plan = plan or apply_plan(method, model_dtype, device)
+    linear_method = make_method(method, plan, group_size)
+    reason = probe_fused(linear_method) if plan.mode == "fused" else None
+    if reason is not None:
+        logger.warning("--quantization %s: torch's fused %s kernel failed its startup probe "
+                       "(%s); dequantizing each weight before its matmul instead (correct, "
+                       "slower)", method, method, reason)
+        plan = ApplyPlan("dequant", model_dtype)
+        linear_method = make_method(method, plan, group_size)
+    elif plan.mode == "dequant" and device.type == "cpu":
+        logger.warning("--quantization %s on a %s model without native bf16 on this CPU: "
+                       "weights are dequantized before each matmul, which saves memory but "
+                       "decodes slower than the unquantized model (README, weight-only "
+                       "quantization)", method, str(model_dtype).removeprefix("torch."))
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and name != "lm_head"]
+    fused = 0
+    for name, module in targets:
+        layer = QuantizedLinear(module, linear_method)
+        fused += layer.fused
+        _replace(model, name, layer)
+    head_method = LM_HEAD_METHOD[method]
+    _quantize_lm_head(model, head_method, plan, group_size, model_dtype)
+    return QuantizationReport(method, len(targets), fused, plan.compute_dtype, head_method,
+                              reason)
+
+
+def _quantize_lm_head(model: nn.Module, head_method: str, plan: ApplyPlan,
+                      group_size: int | None, model_dtype: torch.dtype) -> None:
+    """The LM head in `head_method`; a tied embedding reads the same int8 codes."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear) or head_method == "none":
+        return
+    method = make_method(head_method, plan, group_size)
+    if plan.mode == "fused" and probe_fused(method) is not None:
+        method = make_method(head_method, ApplyPlan("dequant", model_dtype), group_size)
+    # Dequantizing a vocabulary-sized head per step costs more than the fused kernel at any
+    # batch measured (64 rows: 54.6 vs 38.2 ms for SmolLM2's int8 head).
+    method.max_fused_rows = None
+    embed = getattr(model, "embed_tokens", None)
+    tied = isinstance(embed, nn.Embedding) and embed.weight is head.weight
+    quantized = QuantizedLinear(head, method)
+    _replace(model, "lm_head", quantized)
+    if tied and isinstance(method, Int8Method):
+        _replace(model, "embed_tokens", Int8Embedding(quantized, model_dtype))
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def cast_float_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Casts the remaining float parameters (norms, a float embedding) to `dtype`, leaving the
+    quantized layers' buffers (codes, and scales in their compute dtype) as they are."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of `model`, each storage counted once, plus the
+    oneDNN-packed weights of PackedLinears (a tied LM head packed beside its embedding counts
+    twice: both copies are resident)."""
+    seen: set[int] = set()
+    total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, PackedLinear))
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.device.type == "meta":
+            continue
+        key = tensor.untyped_storage().data_ptr()
+        if tensor.numel() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes: int,
+                  scale_bytes: int, group_size: int | None) -> int:
+    """Bytes one out x in linear weight takes under `method` (float weights in the model
+    dtype, scales in the compute dtype)."""
+    if method == "none":
+        return out_features * in_features * dtype_bytes
+    if method == "int8":
+        return out_features * in_features + out_features * scale_bytes
+    group = Int4Method(ApplyPlan("dequant", torch.float32), group_size).layer_group_size(
+        in_features)
+    return out_features * in_features // 2 + (in_features // group) * out_features * 2 * \
+        scale_bytes
+
+
+def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
+                           group_size: int | None = None,
+                           compute_dtype: torch.dtype | None = None) -> int:
+    """The weight bytes a model of `cfg` takes after loading with `--quantization method`, from
+    the config alone; equal to `resident_weight_bytes` of the loaded model. `compute_dtype` is
+    the apply plan's (scales and biases are kept in it; default: `dtype`)."""
+    if method == "none":
+        return cfg.num_params() * dtype.itemsize
+    b = dtype.itemsize
+    sb = (compute_dtype or dtype).itemsize
+    h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    shapes = ((q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter))
+    layer = sum(_linear_bytes(method, n, k, b, sb, group_size) for n, k in shapes)
+    layer += 2 * h * b + ((q + 2 * kv) * sb if cfg.attention_bias else 0)
+    head_method = LM_HEAD_METHOD[method]
+    head = _linear_bytes(head_method, vocab, h, b, sb, group_size)
+    shared = cfg.tie_word_embeddings and head_method in ("none", "int8")
+    embed = 0 if shared else vocab * h * b
+    return cfg.num_hidden_layers * layer + head + embed + h * b
+
+
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "ApplyPlan",
+    "Int4Method",
+    "Int8Embedding",
+    "Int8Method",
+    "LinearMethod",
+    "QuantizationReport",
+    "QuantizedLinear",
+    "apply_plan",
+    "cast_float_parameters",
+    "make_method",
+    "probe_fused",
+    "quantize_model",
+    "quantized_weight_bytes",
+    "resident_weight_bytes",
+]

@@ -1,0 +1,245 @@
+"""Weight-only quantization methods for linear layers (vLLM's `LinearMethod` idea).
+
+A method turns a loaded float weight into the tensors it keeps (`create_weights`, at load),
+computes `x W^T + b` from them (`apply`), and can rebuild the float weight (`dequantize`, the
+reference the startup probe and the tests compare against). Each method runs in one of two
+modes, fixed at load:
+
+- `fused`: torch's CPU kernels that read the quantized weight directly
+  (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`), with the activations in
+  the mode's compute dtype;
+- `dequant`: rebuild the float weight for each call and run `F.linear` (the fallback, taken
+  with a WARNING when the startup probe finds a kernel missing or wrong on this torch).
+
+Codes are symmetric int8 per output channel (scale = max |w| / 127), or asymmetric int4 per
+group of `group_size` input columns (torch's tinygemm convention: w = (q - 8) x scale + zero,
+q in 0..15).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.config import INT4_GROUP_SIZES
+
+# Without --quantization-group-size, each layer takes the first of these dividing its input size.
+# 32 divides every Llama-family shape and is GGUF's Q4_0/Q4_1 block, so a Q4_1 file's 4-bit
+# blocks requantize onto the same grid; coarser groups cost quality on small models (README).
+DEFAULT_INT4_GROUP_SIZES = (32,)
+# Rows of the int4 kernel's packed layout come in tiles of this many output channels.
+INT4_ROW_TILE = 16
+
+
+@dataclass(frozen=True)
+class ApplyPlan:
+    """How a method computes: `mode` (fused or dequant) and the activations' dtype."""
+
+    mode: str
+    compute_dtype: torch.dtype
+
+
+class LinearMethod(ABC):
+    """One weight format: how it is made from a float weight, applied and dequantized."""
+
+    name: str = ""
+    # Above this many rows a fused layer dequantizes instead: torch's CPU kernels cost each row
+    # a full pass over the weight, so past the crossover a dequantize + float matmul is faster.
+    max_fused_rows: int | None = None
+
+    def __init__(self, plan: ApplyPlan) -> None:
+        self.plan = plan
+
+    @abstractmethod
+    def create_weights(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors a layer keeps for float `weight` [out, in] (float32 recommended)."""
+
+    @abstractmethod
+    def dequantize(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The float weight [out, in] the tensors stand for, in the compute dtype."""
+
+    @abstractmethod
+    def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x [rows, in] (compute dtype, contiguous) @ W^T through torch's quantized kernel."""
+
+    def supports_fused(self, out_features: int, in_features: int) -> bool:
+        """Whether the fused kernel takes this shape (else the layer dequantizes)."""
+        return True
+
+    def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor],
+              bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
+        """y = x W^T + b in x's dtype; x is [rows, in], computed in the plan's dtype."""
+        dtype = x.dtype
+        x = x.to(self.plan.compute_dtype)
+        if fused and (self.max_fused_rows is None or x.shape[0] <= self.max_fused_rows):
+            y = self.fused_matmul(x.contiguous(), tensors)
+        else:
+            y = F.linear(x, self.dequantize(tensors))
+        y = y.to(dtype)
+        return y if bias is None else y + bias
+
+
+class Int8Method(LinearMethod):
+    """Symmetric int8 per output channel: w = q x scale, q in -127..127."""
+
+    name = "int8"
+    # Measured on SmolLM2's decoder shapes, bf16, 2 threads: the fused kernel wins up to 16
+    # rows (gate_up 0.05 vs 0.40 ms at 1 row), the dequantized matmul from 32 (0.93 vs 1.52 ms
+    # at 64 rows). The LM head (49152 rows) stays fused at every row count (see the factory).
+    max_fused_rows: int | None = 24
+
+    def create_weights(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = weight.float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return {"qweight": codes.contiguous(), "scales": scales.to(self.plan.compute_dtype)}
+
+    def dequantize(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        scales = tensors["scales"]
+        return tensors["qweight"].to(scales.dtype) * scales[:, None]
+
+    def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, tensors["qweight"], tensors["scales"])
+
+
+class Int4Method(LinearMethod):
+    """Asymmetric int4 per group of `group_size` input columns, two codes per byte."""
+
+    name = "int4"
+
+    def __init__(self, plan: ApplyPlan, group_size: int | None) -> None:
+        super().__init__(plan)
+        self.group_size = group_size
+
+    def layer_group_size(self, in_features: int) -> int:
+        """The group size for a layer `in_features` wide (ValueError when none fits)."""
+        if self.group_size is not None:
+            if in_features % self.group_size:
+                raise ValueError(
+                    f"--quantization-group-size {self.group_size} does not divide a layer's "
+                    f"input size {in_features}; use one of "
+                    f"{[g for g in INT4_GROUP_SIZES if in_features % g == 0] or 'none'}")
+            return self.group_size
+        for size in DEFAULT_INT4_GROUP_SIZES:
+            if in_features % size == 0:
+                return size
+        raise ValueError(f"int4 needs input sizes divisible by {DEFAULT_INT4_GROUP_SIZES[-1]}; a "
+                         f"layer has {in_features}")
+
+    def supports_fused(self, out_features: int, in_features: int) -> bool:
+        return out_features % INT4_ROW_TILE == 0
+
+    def create_weights(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        out_features, in_features = weight.shape
+        group = self.layer_group_size(in_features)
+        w = weight.float().reshape(out_features, in_features // group, group)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
+        scales = ((high - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15)
+        codes = codes.reshape(out_features, in_features).to(torch.int32)
+        zeros = low + 8.0 * scales  # tinygemm: w = (q - 8) * scale + zero
+        # [groups, out, 2]: the layout `_weight_int4pack_mm_for_cpu` reads.
+        scale_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+        if self.plan.mode == "fused" and self.supports_fused(out_features, in_features):
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            layout = "kernel"
+        else:
+            packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+            layout = "nibbles"
+        return {"qweight": packed.contiguous(),
+                "scale_zeros": scale_zeros.to(self.plan.compute_dtype),
+                f"layout_{layout}": torch.empty(0, dtype=torch.uint8)}
+
+    def unpack_codes(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The int4 codes [out, in] as int32, from either layout."""
+        packed = tensors["qweight"]
+        if "layout_nibbles" in tensors:
+            low, high = packed & 0xF, packed >> 4
+            return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+        # The kernel layout is opaque: multiply the identity through it to read codes back.
+        out_features, in_features = packed.shape[0], packed.shape[1] * 2
+        group = in_features // tensors["scale_zeros"].shape[0]
+        eye = torch.eye(in_features, dtype=torch.float32)
+        ones = torch.ones(in_features // group, out_features, 2, dtype=torch.float32)
+        ones[..., 1] = 0.0  # scale 1, zero 0: the kernel yields q - 8
+        q = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, group, ones)
+        return (q.t() + 8).round().to(torch.int32)
+
+    def dequantize(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        scale_zeros = tensors["scale_zeros"]
+        codes = self.unpack_codes(tensors)  # [out, in]
+        groups = scale_zeros.shape[0]
+        out_features, in_features = codes.shape
+        scales = scale_zeros[..., 0].t().float()[..., None]  # [out, groups, 1]
+        zeros = scale_zeros[..., 1].t().float()[..., None]
+        w = (codes.reshape(out_features, groups, -1).float() - 8.0) * scales + zeros
+        return w.reshape(out_features, in_features).to(scale_zeros.dtype)
+
+    def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        scale_zeros = tensors["scale_zeros"]
+        group = x.shape[1] // scale_zeros.shape[0]
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, tensors["qweight"], group,
+                                                          scale_zeros)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight lives in a LinearMethod's format (buffers, not parameters)."""
+
+    def __init__(self, linear: nn.Linear, method: LinearMethod) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.method = method
+        self.fused = method.plan.mode == "fused" and method.supports_fused(
+            self.out_features, self.in_features)
+        self._names: list[str] = []
+        for name, tensor in method.create_weights(linear.weight.detach()).items():
+            self.register_buffer(name, tensor)
+            self._names.append(name)
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if linear.bias is None else
+                             linear.bias.detach().to(method.plan.compute_dtype))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The method's tensors by name."""
+        return {name: getattr(self, name) for name in self._names}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float weight [out, in] these codes stand for."""
+        return self.method.dequantize(self.tensors())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in_features] -> [rows, out_features]."""
+        return self.method.apply(x, self.tensors(), self.bias, self.fused)
+
+    def extra_repr(self) -> str:
+        mode = "fused" if self.fused else "dequant"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"method={self.method.name}, mode={mode}, "
+                f"compute_dtype={self.method.plan.compute_dtype}")
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table read from an int8 per-row layer's codes and scales.
+
+    With tied embeddings the LM head's int8 codes are one row per vocabulary entry, so the
+    lookup shares them instead of keeping a float copy.
+    """
+
+    def __init__(self, head: QuantizedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        if not isinstance(head.method, Int8Method):
+            raise TypeError("Int8Embedding reads an int8 layer's codes")
+        self.head = [head]  # a list, so the head is not registered twice as a submodule
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] ids -> [num_tokens, hidden] in the model dtype."""
+        tensors = self.head[0].tensors()
+        codes = tensors["qweight"].index_select(0, input_ids)
+        scales = tensors["scales"].index_select(0, input_ids)
+        return (codes.to(torch.float32) * scales.float()[:, None]).to(self.dtype)
