@@ -34,6 +34,7 @@ REGISTRY = [
     ("chunked_prefill", "loadtest.benchmarks.chunked_prefill", None),
     ("overhead", "loadtest.benchmarks.overhead", None),
     ("fp8_quality", "loadtest.benchmarks.fp8_quality", None),
+    ("quantization", "loadtest.benchmarks.quantization", None),
     ("structured_output", "loadtest.benchmarks.structured_output", None),
     ("gpu_check", "loadtest.benchmarks.gpu_check", None),
 ]
