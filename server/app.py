@@ -21,7 +21,8 @@ from server import router_api, routes, websocket
 from server.errors import APIError, Handler, error_middleware
 from server.generation import ServedModel, render_chat
 from server.openapi import openapi_document
-from server.protocol import DetokenizeRequest, TokenizeRequest, decode, tool_dicts
+from server.protocol import DetokenizeRequest, TokenizeRequest, decode
+from server.protocol_tools import tool_dicts
 from server.state import CONFIG, ENGINE, MODEL, STATE, ServerConfig, ServerState
 from server.tool_parsers.mode import ToolSettings
 

@@ -22,10 +22,10 @@ from server.protocol import (
     ChatMessage,
     CompletionRequest,
     chat_messages,
-    chat_tools,
     completion_prompts,
     sampling_params,
 )
+from server.protocol_tools import chat_tools
 from server.responses import CallSpec, ResponseBuilder
 from server.tool_parsers.mode import ToolSettings, plan_tool_calls
 from server.tool_parsers.prompt import render_with_tools, template_renders_tools

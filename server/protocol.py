@@ -3,7 +3,9 @@ decoders, and their translation into engine prompts and SamplingParams.
 
 `null` means unset everywhere. Unknown fields are ignored with a warning, as vLLM does. Every
 field is bounded (README, "Limits"), so hostile input fails while decoding with a 400 that names
-the field; the bounds are Meta constraints, so they also appear in GET /openapi.json.
+the field; the bounds are Meta constraints, so they also appear in GET /openapi.json. The
+structured-output fields live in server/protocol_structured.py, the tool-call fields in
+server/protocol_tools.py.
 """
 
 from __future__ import annotations
@@ -17,8 +19,23 @@ import msgspec
 from msgspec import Meta
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
-from engine.structured_output.constraints import validate as validate_constraint
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.protocol_structured import (
+    Choices,
+    JsonSchema,
+    LogitBias,
+    ResponseFormat,
+    StructuredOutputsField,
+    logit_bias_of,
+    structured_outputs_of,
+)
+from server.protocol_tools import (
+    MAX_TOOL_CALL_ID_LENGTH,
+    MAX_TOOLS,
+    MessageToolCall,
+    Tool,
+    ToolChoice,
+)
 
 logger = logging.getLogger("kvserve.server")
 
@@ -61,43 +78,6 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
-
-
-# Structured outputs and logit_bias (README, "Structured outputs").
-MAX_CHOICE_ITEMS = 1024  # strings in guided_choice / structured_outputs.choice
-MAX_LOGIT_BIAS = 4096  # entries in logit_bias (OpenAI documents no cap; vLLM has none)
-TokenIdKey = Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")]  # OpenAI sends token ids as keys
-LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Meta(ge=-100.0, le=100.0)]],
-                      Meta(max_length=MAX_LOGIT_BIAS)]
-Choices = Annotated[list[Annotated[str, Meta(min_length=1)]],
-                    Meta(min_length=1, max_length=MAX_CHOICE_ITEMS)]
-JsonSchema = dict[str, Any] | str  # a JSON schema, or its JSON text (vLLM accepts both)
-
-
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
-    """response_format's `json_schema`: OpenAI's name, description, schema and strict."""
-
-    name: str | None = None
-    description: str | None = None
-    schema: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    """OpenAI's response_format: plain text, any JSON object, or JSON matching a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsField(msgspec.Struct, kw_only=True):
-    """vLLM's `structured_outputs` request object: set exactly one constraint."""
-
-    json: JsonSchema | None = None
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: Choices | None = None
-    grammar: str | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -162,61 +142,6 @@ class TextPart(msgspec.Struct, kw_only=True):
 
     type: str
     text: str | None = None
-
-
-# Tool calls (README, "Tool calls"). OpenAI caps a request at 128 tools.
-MAX_TOOLS = 128
-MAX_TOOL_NAME_LENGTH = 256  # OpenAI allows 64; longer names only waste the prompt
-MAX_TOOL_CALL_ID_LENGTH = 1024
-ToolName = Annotated[str, Meta(min_length=1, max_length=MAX_TOOL_NAME_LENGTH)]
-
-
-class FunctionCall(msgspec.Struct, kw_only=True):
-    """The function of an earlier assistant tool call: arguments as JSON text (OpenAI) or an
-    object (some clients)."""
-
-    name: ToolName
-    arguments: str | dict[str, Any] = "{}"
-
-
-class MessageToolCall(msgspec.Struct, kw_only=True):
-    """One tool call of an earlier assistant message."""
-
-    id: Annotated[str, Meta(max_length=MAX_TOOL_CALL_ID_LENGTH)] | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A function the model may call: `parameters` is its arguments' JSON schema."""
-
-    name: ToolName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One entry of `tools`."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(msgspec.Struct, kw_only=True):
-    """The function a named tool_choice forces."""
-
-    name: ToolName
-
-
-class NamedToolChoice(msgspec.Struct, kw_only=True):
-    """tool_choice `{"type": "function", "function": {"name": ...}}`."""
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -377,47 +302,6 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     return SamplingParams(**values)
 
 
-def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
-    """The request's one constraint (response_format, guided_*, structured_outputs), checked
-    as the engine will check it so an error names the field the client sent; None without."""
-    found: list[tuple[str, StructuredOutputsParams]] = []
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        found.append(("response_format", StructuredOutputsParams(json_object=True)))
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema is None:
-            raise InvalidRequestError("response_format of type json_schema needs "
-                                      "json_schema.schema, the JSON schema", "response_format")
-        found.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.schema)))
-    guided = {"guided_json": StructuredOutputsParams(json=req.guided_json),
-              "guided_regex": StructuredOutputsParams(regex=req.guided_regex),
-              "guided_choice": StructuredOutputsParams(
-                  choice=None if req.guided_choice is None else tuple(req.guided_choice)),
-              "guided_grammar": StructuredOutputsParams(grammar=req.guided_grammar)}
-    found += [(name, params) for name, params in guided.items() if getattr(req, name) is not None]
-    so = req.structured_outputs
-    if so is not None:
-        found.append(("structured_outputs", StructuredOutputsParams(
-            json=so.json, json_object=bool(so.json_object), regex=so.regex,
-            choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar)))
-    if not found:
-        return None
-    if len(found) > 1:
-        names = [name for name, _ in found]
-        raise InvalidRequestError(f"set at most one output constraint; got {' and '.join(names)}",
-                                  names[1])
-    name, params = found[0]
-    validate_constraint(params, name)
-    return params
-
-
-def logit_bias_of(req: SamplingFields) -> dict[int, float] | None:
-    """logit_bias with integer token ids (the engine checks them against the vocabulary)."""
-    if not req.logit_bias:
-        return None
-    return {int(token): float(bias) for token, bias in req.logit_bias.items()}
-
-
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
     """The prompts of a completions request: a string, strings, token ids or id lists."""
     if isinstance(prompt, str):
@@ -480,28 +364,3 @@ def _message_text(message: ChatMessage) -> str:
                                       "supported; only text parts are", "messages")
         texts.append(part.text)
     return "\n".join(texts)
-
-
-def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
-    """Tools as the chat template takes them (unset fields left out); None for none."""
-    return [msgspec.to_builtins(tool) for tool in tools] if tools else None
-
-
-def chat_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The request's tools as plain dicts (None when it has none), after OpenAI's checks: a
-    tool_choice other than "none" needs tools, a named one must be among them, and names are
-    unique."""
-    tools = tool_dicts(req.tools)
-    choice = req.tool_choice
-    if choice is not None and choice != "none" and not tools:
-        raise InvalidRequestError("tool_choice is only allowed when tools are specified; "
-                                  "send tools or drop tool_choice", "tool_choice")
-    names = [tool["function"]["name"] for tool in tools or []]
-    if len(set(names)) != len(names):
-        duplicate = next(name for name in names if names.count(name) > 1)
-        raise InvalidRequestError(f"tools holds two functions named {duplicate!r}; function "
-                                  "names must be unique", "tools")
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise InvalidRequestError(f"tool_choice names the function {choice.function.name!r}, "
-                                  f"which is not in tools ({', '.join(names)})", "tool_choice")
-    return tools

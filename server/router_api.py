@@ -40,10 +40,10 @@ from server.generation import render_chat
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_tools,
     check_limits,
     completion_prompts,
 )
+from server.protocol_tools import chat_tools
 from server.state import CONFIG, ENGINE, MODEL
 
 # Render bodies carry whatever the router forwards (vllm-router adds SGLang's fields such as

@@ -12,7 +12,8 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
-from server.protocol import ChatCompletionRequest, chat_messages, chat_tools
+from server.protocol import ChatCompletionRequest, chat_messages
+from server.protocol_tools import chat_tools
 from server.responses import CallSpec, ResponseBuilder
 from server.tool_parsers import (
     HermesToolParser,
