@@ -16,7 +16,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from tests.support.api import openai_client, post_json
+from tests.support.api import post_json
 from tests.support.greedy import GreedyTrace, hf_topk_greedy, load_hf_model
 from tests.support.server_process import ServerProcess
 from tests.support.tiny_models import english_sentences
@@ -34,16 +34,6 @@ EOS_CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Where
 def server(tiny_server: ServerProcess) -> ServerProcess:
     """The session's default server (tests/conftest.py)."""
     return tiny_server
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def model_name(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

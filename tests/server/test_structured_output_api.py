@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.support.api import assert_error, http, openai_client, post_json
+from tests.support.api import assert_error, http, post_json
 from tests.support.server_process import ServerProcess
 from tests.support.ws import Socket
 
@@ -38,32 +38,22 @@ def server(tiny_server: ServerProcess) -> ServerProcess:
     return tiny_server
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def json_schema_format(schema: dict[str, Any]) -> Any:
     return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema,
                                                    "strict": True}}
 
 
 def test_chat_response_format_json_schema_whole_and_streamed(client: openai.OpenAI,
-                                                             model: str) -> None:
+                                                             model_name: str) -> None:
     for seed in range(3):
         reply = client.chat.completions.create(
-            model=model, messages=CHAT, max_tokens=200, temperature=1.0, seed=seed,
+            model=model_name, messages=CHAT, max_tokens=200, temperature=1.0, seed=seed,
             response_format=json_schema_format(PERSON))
         choice = reply.choices[0]
         assert choice.finish_reason == "stop"
         jsonschema_rs.validate(PERSON, json.loads(choice.message.content or ""))
         stream = client.chat.completions.create(
-            model=model, messages=CHAT, max_tokens=200, temperature=1.0, seed=seed, stream=True,
+            model=model_name, messages=CHAT, max_tokens=200, temperature=1.0, seed=seed, stream=True,
             response_format=json_schema_format(PERSON))
         parts, reasons = [], []
         for chunk in stream:
@@ -75,7 +65,7 @@ def test_chat_response_format_json_schema_whole_and_streamed(client: openai.Open
 
 
 def test_completions_guided_fields_and_structured_outputs(client: openai.OpenAI,
-                                                          model: str) -> None:
+                                                          model_name: str) -> None:
     cases: list[tuple[dict[str, Any], Any]] = [
         ({"guided_json": PERSON}, lambda t: jsonschema_rs.is_valid(PERSON, json.loads(t))),
         ({"guided_regex": r"[A-Z][a-z]{1,6} [0-9]{2}"},
@@ -88,7 +78,7 @@ def test_completions_guided_fields_and_structured_outputs(client: openai.OpenAI,
     ]
     for extra, check in cases:
         for stream in (False, True):
-            kwargs: dict[str, Any] = dict(model=model, prompt="the cat", max_tokens=120,
+            kwargs: dict[str, Any] = dict(model=model_name, prompt="the cat", max_tokens=120,
                                           temperature=1.0, seed=5, extra_body=extra)
             if stream:
                 chunks = list(client.completions.create(stream=True, **kwargs))
@@ -102,22 +92,22 @@ def test_completions_guided_fields_and_structured_outputs(client: openai.OpenAI,
 
 
 def test_json_object_on_completions(client: openai.OpenAI, server: ServerProcess,
-                                   model: str) -> None:
+                                   model_name: str) -> None:
     closers = {str(t): 8 for t in _token_ids(server, '"}')}  # random model: close strings
-    reply = client.completions.create(model=model, prompt="One two", max_tokens=120, seed=2,
+    reply = client.completions.create(model=model_name, prompt="One two", max_tokens=120, seed=2,
                                       temperature=1.0, logit_bias=closers,
                                       extra_body={"response_format": {"type": "json_object"}})
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].text), dict)
-    text = client.completions.create(model=model, prompt="One two", max_tokens=5, temperature=0.0,
+    text = client.completions.create(model=model_name, prompt="One two", max_tokens=5, temperature=0.0,
                                      extra_body={"response_format": {"type": "text"}})
     assert text.choices[0].finish_reason in ("stop", "length")
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI, server: ServerProcess,
-                                   model: str) -> None:
+                                   model_name: str) -> None:
     token = _token_ids(server, " dog")[-1]
-    reply = client.completions.create(model=model, prompt="the cat", max_tokens=4, temperature=1.0,
+    reply = client.completions.create(model=model_name, prompt="the cat", max_tokens=4, temperature=1.0,
                                       seed=1, logit_bias={str(token): 100},
                                       extra_body={"ignore_eos": True})
     forced = post_json(server, "/detokenize", {"tokens": [token] * 4})["prompt"]

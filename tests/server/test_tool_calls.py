@@ -20,7 +20,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.support.api import assert_error, http, openai_client, post_json
+from tests.support.api import assert_error, http, post_json
 from tests.support.server_process import ServerProcess, kvserve
 
 UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
@@ -48,16 +48,6 @@ def regex_for(text: str) -> str:
 @pytest.fixture(scope="module")
 def server(tiny_server: ServerProcess) -> ServerProcess:
     return tiny_server
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai_client(server)
-
-
-@pytest.fixture(scope="module")
-def model_name(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def body(model: str, **fields: Any) -> dict[str, Any]:
