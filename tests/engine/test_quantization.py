@@ -17,6 +17,7 @@ import torch
 import engine.quantization as quant
 from engine import LLM, SamplingParams, cpu_features
 from engine.config import EngineArgs, ModelConfig
+from engine.outputs import RequestOutput
 from engine.planner import add_plan_arguments, build_plan, format_plan
 from engine.quantization import (
     ApplyPlan,
@@ -113,7 +114,13 @@ def test_apply_plan_by_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _greedy(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return _tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                             use_tqdm=False))
+
+
+def _tokens_and_logprobs(outs: list[RequestOutput]
+                         ) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Each output's token ids and, per position, {token id: logprob}."""
     result = []
     for out in outs:
         c = out.outputs[0]
@@ -334,14 +341,7 @@ def test_smollm2_quality(method: str, min_agree: float, max_mad: float) -> None:
 
     def run(**kwargs: object) -> list[tuple[list[int], list[dict[int, float]]]]:
         llm = LLM(None, num_threads=2, max_model_len=256, **kwargs)  # type: ignore[arg-type]
-        outs = llm.chat(messages, params, use_tqdm=False)
-        result = []
-        for out in outs:
-            c = out.outputs[0]
-            assert c.logprobs is not None
-            result.append((list(c.token_ids),
-                           [{t: lp.logprob for t, lp in pos.items()} for pos in c.logprobs]))
-        return result
+        return _tokens_and_logprobs(llm.chat(messages, params, use_tqdm=False))
 
     agree, mad, rule = _compare(run(dtype="float32"), run(dtype="bfloat16", quantization=method))
     assert agree >= min_agree and mad <= max_mad and rule, (agree, mad, rule)

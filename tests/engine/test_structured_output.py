@@ -17,6 +17,7 @@ from engine import LLM, InvalidRequestError, SamplingParams
 from engine.core.request import RequestStatus
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output import constraint_key
+from loadtest.benchmarks.structured_output import PERSON
 
 # Strings carry a pattern: xgrammar 0.2.9 lets a string with minLength/maxLength hold raw
 # control characters (invalid JSON), and a free string on a random model rarely closes.
@@ -228,15 +229,7 @@ def test_bad_constraints_are_refused_before_queueing(llm: LLM, params: dict[str,
     assert not llm.engine.has_unfinished_requests()
 
 
-NESTED = {"type": "object", "properties": {
-    "name": {"type": "string"},
-    "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "address": {"type": "object", "properties": {"city": {"type": "string"},
-                                                 "country": {"type": "string"}},
-                "required": ["city", "country"]},
-    "hobbies": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
-    "employed": {"type": "boolean"}},
-    "required": ["name", "age", "address", "hobbies", "employed"]}
+NESTED = PERSON  # the benchmark's nested schema (a nested object, an array, a boolean)
 
 
 @pytest.mark.slow
