@@ -24,9 +24,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loadtest.benchmarks.common import SuiteContext, format_table, run_alone, target_line
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 NAME = "fp8 KV cache: capacity and quality"
 COMMAND = "python -m loadtest.benchmarks.fp8_quality"
@@ -112,22 +115,31 @@ def compare(reference: list[Completion], other: list[Completion]) -> Agreement:
                      sum(diffs) / max(len(diffs), 1), max(diffs, default=0.0))
 
 
+def greedy_chat(llm: LLM, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
+    """Greedy chat completions with the chosen token's logprob at every position (the quantization
+    benchmark's agreement runs use it too)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    result: list[Completion] = []
+    for out in outs:
+        choice = out.outputs[0]
+        entries = choice.logprobs or []
+        result.append((list(choice.token_ids),
+                       [e[t].logprob for t, e in zip(choice.token_ids, entries, strict=True)]))
+    return result
+
+
 def run_greedy(kv_cache_dtype: str, model_dtype: str, num_threads: int, max_tokens: int,
                prompts: Sequence[str] = PROMPTS) -> RunResult:
     """Greedy completions of every chat prompt with the embedded model and this cache dtype."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     start = time.perf_counter()
     llm = LLM(kv_cache_dtype=kv_cache_dtype, dtype=model_dtype, num_threads=num_threads,
               kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES, max_model_len=MAX_MODEL_LEN)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    completions: list[Completion] = []
-    for out in outs:
-        choice = out.outputs[0]
-        entries = choice.logprobs or []
-        completions.append((list(choice.token_ids),
-                            [e[t].logprob for t, e in zip(choice.token_ids, entries, strict=True)]))
+    completions = greedy_chat(llm, prompts, max_tokens)
     plan = llm.engine.kv_cache_plan
     return RunResult(kv_cache_dtype, model_dtype, completions, plan.bytes_per_token, plan.num_tokens,
                      plan.max_concurrency(MAX_MODEL_LEN), time.perf_counter() - start)

@@ -5,16 +5,9 @@ Each run loads its own `LLM(quantization=..., dtype=...)` with the suite's threa
 - resident weights: the engine's `runner.weight_bytes()` (quantized codes and scales, the
   oneDNN-packed copies of float layers, tied tensors once), as its startup line reports them;
 - perplexity: a fixed English text shipped with the interpreter (the standard library's
-  LICENSE.txt: the history of Python and its license terms), tokenized by the model's own
-  tokenizer, is fed through the engine's own forward (`runner.model` over the paged KV cache,
-  the inputs built by `prepare_inputs` as a prefill step builds them) in windows of W tokens
-  moved S tokens at a time. Every token after the first is predicted once, from the window
-  that first contains it past its overlap, so each prediction sees at least W - S tokens of
-  context (all earlier tokens inside the first window). The natural-log probability of the
-  true next token comes from `compute_logits` + log-softmax in float32; perplexity is
-  exp(mean negative log-likelihood). The engine has no prompt logprobs, and sampling with
-  `logprobs` scores only the token it picked, so the forced tokens are scored this way: the
-  same modules, kernels and KV cache a request runs through, without the scheduler;
+  LICENSE.txt), tokenized by the model's own tokenizer, scored through the engine's own
+  forward and paged KV cache in sliding windows (`quantization_quality`, whose docstring
+  gives the method);
 - decode tokens/s at batch 1 and at 64 sequences, as the offline benchmark measures them: the
   median wall time of N `engine.step()` calls taken once every sequence decodes (random-id
   prompts of 32 tokens, greedy, EOS ignored; the step includes scheduling and output
@@ -31,24 +24,17 @@ Alone: `python -m loadtest.benchmarks.quantization [--quick] [--threads N] [--js
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import math
-import platform
-import sysconfig
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine import LLM, SamplingParams
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine import LLM
 from engine.cpu_features import NATIVE_BF16_FLAGS, auto_cpu_dtype, read_cpu_flags
 from engine.quantization import Int8Method, QuantizedLinear, apply_plan
-from engine.worker.input_batch import prepare_inputs
 from engine.worker.model_runner import ModelRunner
 from loadtest.benchmarks.common import (
     SuiteContext,
@@ -57,9 +43,10 @@ from loadtest.benchmarks.common import (
     run_alone,
     target_line,
 )
-from loadtest.benchmarks.fp8_quality import PROMPTS, Completion, compare
+from loadtest.benchmarks.fp8_quality import PROMPTS, compare, greedy_chat
 from loadtest.benchmarks.machine import QUIET_CORES, cpu_model, other_cpu_values, timed
 from loadtest.benchmarks.offline_run import kvserve_decode
+from loadtest.benchmarks.quantization_quality import load_text, perplexity
 
 NAME = "Weight quantization: resident bytes, decode speed and quality"
 COMMAND = "python -m loadtest.benchmarks.quantization [--quick] [--threads N] [--json PATH]"
@@ -84,7 +71,6 @@ MAX_MODEL_LEN = 1024
 # The flags /proc/cpuinfo may show that decide bf16 and int8 speed on CPU.
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
              "amx_int8")
-LOGIT_ROWS = 256  # log-softmax this many positions at a time (vocabulary 49,152)
 
 
 @dataclass(frozen=True)
@@ -108,87 +94,7 @@ class Workload:
                    batch_steps=4, num_prompts=3, max_tokens=8)
 
 
-# ---- the text -----------------------------------------------------------------------------
-
-
-def text_path() -> Path:
-    """The standard library's LICENSE.txt (ships with CPython; plain English prose)."""
-    return Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
-
-
-def load_text(tokenizer: Any, limit: int | None) -> tuple[list[int], dict[str, Any]]:
-    """The text's token ids (no special tokens added) and where they came from."""
-    path = text_path()
-    raw = path.read_bytes()
-    ids = list(tokenizer.encode(raw.decode("utf-8"), add_special_tokens=False))
-    full = len(ids)
-    ids = ids[:limit] if limit else ids
-    return ids, {"path": str(path), "name": f"LICENSE.txt of Python {platform.python_version()}"
-                 "'s standard library", "bytes": len(raw), "words": len(raw.split()),
-                 "sha256": hashlib.sha256(raw).hexdigest()[:16], "tokens": full,
-                 "tokens_used": len(ids)}
-
-
-# ---- perplexity through the engine's forward ----------------------------------------------
-
-
-@torch.inference_mode()
-def window_logprobs(runner: ModelRunner, ids: Sequence[int], first: int) -> torch.Tensor:
-    """Natural-log probabilities of ids[first:] given everything before them in `ids` (one
-    prefill of `ids` from position 0 through the engine's model and paged KV cache)."""
-    bs = runner.block_size
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    request = ScheduledRequest("perplexity", tuple(ids), 0, tuple(range(-(-len(ids) // bs))),
-                               False, params)
-    inputs = prepare_inputs(SchedulerOutput((request,)), bs, runner.config.sliding_window,
-                            runner.device)
-    hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
-    targets = torch.tensor(ids[first:], dtype=torch.long, device=hidden.device)
-    rows = hidden[first - 1:len(ids) - 1]  # row i predicts token i + 1
-    out = []
-    for start in range(0, rows.shape[0], LOGIT_ROWS):
-        logits = runner.model.compute_logits(rows[start:start + LOGIT_ROWS])
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        out.append(lp.gather(1, targets[start:start + LOGIT_ROWS, None]).squeeze(1))
-    return torch.cat(out)
-
-
-def perplexity(runner: ModelRunner, ids: Sequence[int], window: int, stride: int
-               ) -> dict[str, Any]:
-    """Sliding-window perplexity: each token after the first scored once (see module doc).
-
-    Runs between steps with no request in flight: the windows use KV blocks 0.. directly,
-    which the scheduler hands out (and overwrites) only later.
-    """
-    start, total, scored, windows, prev_end = time.perf_counter(), 0.0, 0, 0, 1
-    for begin in range(0, max(len(ids) - 1, 1), stride):
-        end = min(begin + window, len(ids))
-        lps = window_logprobs(runner, ids[begin:end], prev_end - begin)
-        total -= float(lps.double().sum())
-        scored += lps.numel()
-        windows += 1
-        prev_end = end
-        if end == len(ids):
-            break
-    nll = total / scored
-    return {"perplexity": math.exp(nll), "nll": nll, "scored_tokens": scored,
-            "windows": windows, "seconds": time.perf_counter() - start}
-
-
 # ---- one run ------------------------------------------------------------------------------
-
-
-def greedy_chat(llm: LLM, prompts: Sequence[str], max_tokens: int) -> list[Completion]:
-    """Greedy chat completions with the chosen token's logprob at every position."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
-    result: list[Completion] = []
-    for out in outs:
-        choice = out.outputs[0]
-        entries = choice.logprobs or []
-        result.append((list(choice.token_ids),
-                       [e[t].logprob for t, e in zip(choice.token_ids, entries, strict=True)]))
-    return result
 
 
 def kernels(runner: ModelRunner) -> str:
