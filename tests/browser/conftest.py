@@ -73,6 +73,7 @@ def browser() -> Iterator[WebDriver]:
 def page(browser: WebDriver, chat_server: ServerProcess) -> Iterator[ChatPage]:
     """The chat page of `chat_server`, opened on empty localStorage at the default size."""
     browser.set_window_size(*WINDOW)
+    browser.get_log("browser")  # drop what earlier tests left: each test reads its own errors
     chat = ChatPage(browser, chat_server)
     chat.open(clear=True)
     yield chat
