@@ -52,7 +52,9 @@ def test_page_and_assets_are_public_while_the_api_stays_guarded(keyed_server: Se
     html = index.raw.decode()
     for url in re.findall(r'(?:src|href)="([^"]*)"', html):
         assert url.startswith(("/static/", "data:")), url
-    for name, content_type in (("app.js", "javascript"), ("style.css", "text/css"),
+    scripts = ("app.js", "dom.js", "storage.js", "api.js", "transport.js", "generation.js",
+               "markdown.js", "view.js", "metrics.js")
+    for name, content_type in (*((s, "javascript") for s in scripts), ("style.css", "text/css"),
                                ("index.html", "text/html")):
         reply = http(keyed_server, "GET", f"/static/{name}")
         assert reply.status == 200, name
