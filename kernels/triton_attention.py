@@ -19,6 +19,11 @@ from kernels.metadata import AttentionMetadata, OpsBackend, is_fp8
 TARGET_PROGRAMS = 132  # an H100/H200's SM count: split-KV decode aims to give each SM work
 MAX_SEGMENTS = 16
 MIN_TILES_PER_SEGMENT = 4  # below this a segment's partial write costs more than it saves
+# Key positions per loop trip of the attention kernel (any KV block size): a decode tile is
+# [16 rows x TILE_N] per K/V load. The GPU check (loadtest/benchmarks/gpu_check_kernels.py)
+# times the choices; see README, "GPU check", for the measured sweep.
+DECODE_TILE = 64
+PREFILL_TILE = 64
 
 
 @triton.jit
@@ -108,15 +113,15 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _tile_range(seq_len, ctx_len, q_first, window, segment,
-                BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+                BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
                 SLIDING: tl.constexpr):
-    """KV blocks [lo, hi) this program reads: those its query rows can see, cut into
-    NUM_SEGMENTS equal parts of which it takes part `segment`."""
+    """KV tiles of TILE_N tokens [lo, hi) this program reads: those its query rows can see, cut
+    into NUM_SEGMENTS equal parts of which it takes part `segment`."""
     last_key = tl.minimum(seq_len, ctx_len + q_first + BLOCK_Q)  # one past the last visible
-    hi = tl.cdiv(last_key, BLOCK_SIZE)
+    hi = tl.cdiv(last_key, TILE_N)
     lo = 0
     if SLIDING:
-        lo = tl.maximum(ctx_len + q_first - window + 1, 0) // BLOCK_SIZE
+        lo = tl.maximum(ctx_len + q_first - window + 1, 0) // TILE_N
     per_segment = tl.cdiv(hi - lo, NUM_SEGMENTS)
     seg_lo = lo + segment * per_segment
     return seg_lo, tl.minimum(hi, seg_lo + per_segment)
@@ -144,10 +149,14 @@ def _attention_kernel(
         stride_vb, stride_vs, stride_vh, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_Q: tl.constexpr, NUM_SEGMENTS: tl.constexpr, SLIDING: tl.constexpr,
-        COMPUTE_F32: tl.constexpr, PRECISION: tl.constexpr):
+        TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+        SLIDING: tl.constexpr, COMPUTE_F32: tl.constexpr, PRECISION: tl.constexpr):
     """One program: BLOCK_Q query tokens x the GROUP query heads of one KV head (so each K/V
-    tile is loaded once for the whole group), over one segment of the sequence's KV blocks."""
+    tile is loaded once for the whole group), over one segment of the sequence's KV tiles.
+
+    A tile is TILE_N consecutive key positions, whatever the KV block size: each position finds
+    its block through the block table, so tiles span several small blocks (wide loads, fewer
+    loop trips) or part of a large one."""
     q_block, kv_head, segment = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
@@ -169,21 +178,24 @@ def _attention_kernel(
         q = q.to(tl.float32)
     q_pos = ctx_len + q_local
     lo, hi = _tile_range(seq_len, ctx_len, q_first, window, segment,
-                         BLOCK_Q, BLOCK_SIZE, NUM_SEGMENTS, SLIDING)
+                         BLOCK_Q, TILE_N, NUM_SEGMENTS, SLIDING)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_PAD], tl.float32)
-    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_n = tl.arange(0, TILE_N)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(lo, hi):
-        block = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + tile).to(tl.int64)
-        k_pos = tile * BLOCK_SIZE + offs_n
+        k_pos = tile * TILE_N + offs_n
+        in_seq = k_pos < seq_len
+        block = tl.load(table_row + k_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+        k_base = block * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        v_base = block * stride_vb + (k_pos % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
         # Keys past seq_len may hold stale or NaN bytes: zero them so 0-weight x NaN can't leak.
-        kv_mask = (k_pos[None, :] < seq_len) & (dims[:, None] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + block * stride_kb + offs_n[None, :] * stride_ks +
-                    kv_head * stride_kh + dims[:, None], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + block * stride_vb + offs_n[:, None] * stride_vs +
-                    kv_head * stride_vh + dims[None, :], mask=tl.trans(kv_mask), other=0.0)
-        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [M, BLOCK_SIZE]
+        kv_mask = in_seq[None, :] & (dims[:, None] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + k_base[None, :] + dims[:, None], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_base[:, None] + dims[None, :], mask=tl.trans(kv_mask),
+                    other=0.0)
+        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [M, TILE_N]
         visible = k_pos[None, :] <= q_pos[:, None]
         if SLIDING:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -227,11 +239,11 @@ def _reduce_kernel(out_ptr, seg_acc_ptr, seg_max_ptr, seg_sum_ptr, v_scale,
 
 
 def choose_num_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                        block_size: int) -> int:
+                        tile_tokens: int = DECODE_TILE) -> int:
     """KV segments per decode sequence: enough programs to fill the GPU, none shorter than
-    MIN_TILES_PER_SEGMENT blocks. Depends only on host ints, so a captured graph can fix it."""
+    MIN_TILES_PER_SEGMENT tiles. Depends only on host ints, so a captured graph can fix it."""
     programs = num_seqs * num_kv_heads
-    max_tiles = -(-max_seq_len // block_size)
+    max_tiles = -(-max_seq_len // tile_tokens)
     wanted = -(-TARGET_PROGRAMS // max(programs, 1))
     return max(1, min(MAX_SEGMENTS, wanted, max_tiles // MIN_TILES_PER_SEGMENT))
 
@@ -239,14 +251,15 @@ def choose_num_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
                       v_scale: float = 1.0, out: torch.Tensor | None = None, *,
-                      num_segments: int | None = None, max_seq_len: int | None = None
-                      ) -> torch.Tensor:
+                      num_segments: int | None = None, max_seq_len: int | None = None,
+                      tile_tokens: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Attention for a mixed batch: query [num_tokens, heads, head_dim] -> same shape, written
     into `out` when given. An fp8 cache is read back as stored x scale.
 
     Launches from device tensors and host ints only (no sync). A pure decode batch may split
     each sequence's context into segments (flash-decoding); `num_segments` forces the count,
     `max_seq_len` bounds the context for choosing it (default: max of meta.seq_lens_list).
+    `tile_tokens` (a power of two >= 16) and `num_warps` override the tuned launch (sweeps).
     """
     query = _unit_last_stride(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -260,9 +273,13 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     decode_only = num_tokens == num_seqs  # every sequence has >= 1 query token
     # tl.dot wants >= 16 rows: decodes fill them with the group's heads and padding.
     block_q = max(1, (16 if decode_only else 64) // group_pad)
+    # A float32 prefill tile of 64 keys needs 113 KiB of shared memory at head dim 128, over
+    # sm_89's 99 KiB: half the keys per trip there.
+    tile_n = tile_tokens or (DECODE_TILE if decode_only else
+                             PREFILL_TILE // (2 if query.element_size() > 2 else 1))
     if num_segments is None:
         bound = max_seq_len if max_seq_len is not None else max(meta.seq_lens_list)
-        num_segments = choose_num_segments(num_seqs, num_kv_heads, bound, block_size) \
+        num_segments = choose_num_segments(num_seqs, num_kv_heads, bound, tile_n) \
             if decode_only else 1
     if not is_fp8(k_cache):  # the scales only mean something for an fp8 cache (as the twin)
         k_scale = v_scale = 1.0
@@ -283,9 +300,10 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q, NUM_SEGMENTS=num_segments,
-        SLIDING=meta.sliding_window is not None, COMPUTE_F32=compute_f32,
-        PRECISION="ieee" if compute_f32 else "tf32")
+        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, TILE_N=tile_n, BLOCK_Q=block_q,
+        NUM_SEGMENTS=num_segments, SLIDING=meta.sliding_window is not None,
+        COMPUTE_F32=compute_f32, PRECISION="ieee" if compute_f32 else "tf32",
+        num_warps=num_warps)
     if num_segments > 1:
         _reduce_kernel[(num_tokens, num_heads)](
             out, seg_acc, seg_max, seg_sum, float(v_scale), out.stride(0), out.stride(1),

@@ -129,20 +129,32 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
 
+    def profile_batch(self, num_tokens: int) -> tuple[SchedulerOutput, int]:
+        """The profiling step: `num_tokens` prompt tokens as few prompts as fit, none longer
+        than max_model_len (a longer one would read positions past the rotary table); and the
+        KV blocks it needs."""
+        lengths = [min(self.max_model_len, num_tokens - start)
+                   for start in range(0, num_tokens, self.max_model_len)]
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        requests, first = [], 0
+        for i, length in enumerate(lengths):
+            count = -(-length // self.block_size)
+            requests.append(ScheduledRequest(f"profile-{i}", tuple([0] * length), 0,
+                                             tuple(range(first, first + count)), True, params))
+            first += count
+        return SchedulerOutput(tuple(requests)), first
+
     @torch.inference_mode()
     def profile_peak_activation_bytes(self, num_tokens: int) -> int:
         """Peak memory of one forward over `num_tokens` prompt tokens (CUDA only; 0 on CPU)."""
         if self.device.type != "cuda":
             return 0
-        num_blocks = -(-num_tokens // self.block_size)
+        batch, num_blocks = self.profile_batch(num_tokens)
         self.allocate_kv_cache(num_blocks)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        fake = ScheduledRequest("profile", tuple([0] * num_tokens), 0,
-                                tuple(range(num_blocks)), True,
-                                SamplingParams(temperature=0.0, max_tokens=1))
-        self.execute(SchedulerOutput((fake,)))
+        self.execute(batch)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
         self.kv_caches = []

@@ -113,3 +113,44 @@ def _attention_fn(device: torch.device) -> Callable[..., torch.Tensor]:
     from kernels.torch_attention import unified_attention as torch_attention
 
     return torch_attention
+
+
+def tile_sweep(report: Report, device: torch.device, heads: tuple[int, int, int],
+               dtype: torch.dtype, copy_gbs: float, small: bool) -> None:
+    """The attention kernel's KV tile (key positions per loop trip) and warps per program,
+    timed on decodes at 64 and 256 sequences of 4k and one prefill chunk: what the defaults in
+    kernels/triton_attention.py (DECODE_TILE, PREFILL_TILE) are chosen from."""
+    from kernels.triton_attention import unified_attention
+
+    num_heads, num_kv_heads, head_dim = heads
+    shapes = [("decode", decode_metadata, 4, 64)] if small else [
+        ("decode", decode_metadata, 64, 4096), ("decode", decode_metadata, 256, 4096),
+        ("prefill", prefill_metadata, 1024, 4096)]
+    rows: list[dict[str, Any]] = []
+    for kind, builder, first, ctx in shapes:
+        meta, num_blocks = builder(first, ctx, 16, device)
+        k_cache = torch.randn(num_blocks, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
+        v_cache = torch.randn_like(k_cache)
+        query = torch.randn(first if kind == "prefill" else meta.seq_lens.shape[0], num_heads,
+                            head_dim, dtype=dtype, device=device)
+        kv_bytes = sum(meta.seq_lens_list) * num_kv_heads * head_dim * 2 * k_cache.element_size()
+        for tile in (16, 32, 64, 128):
+            for warps in (4, 8):
+                try:
+                    ms = timed(lambda q=query, k=k_cache, v=v_cache, m=meta, t=tile, w=warps:  # type: ignore[misc]
+                               unified_attention(q, k, v, m, head_dim ** -0.5, tile_tokens=t,
+                                                 num_warps=w), device)
+                except Exception as exc:  # a tile the compiler rejects: recorded, not fatal
+                    rows.append({"kind": kind, "first": first, "ctx": ctx, "tile": tile,
+                                 "warps": warps, "error": str(exc)[:200]})
+                    continue
+                gbs = kv_bytes / ms / 1e6
+                rows.append({"kind": kind, "first": first, "ctx": ctx, "tile": tile,
+                             "warps": warps, "ms": ms, "share_of_copy": gbs / copy_gbs})
+        best = min((r for r in rows if r["first"] == first and r["kind"] == kind and "ms" in r),
+                   key=lambda r: r["ms"], default=None)
+        if best is not None:
+            report.add(f"best tile, {kind} {first} x {ctx}",
+                       f"tile {best['tile']}, {best['warps']} warps: {best['ms']:.3f} ms "
+                       f"({best['share_of_copy']:.0%} of copy)")
+    report.sections["tile_sweep"] = rows

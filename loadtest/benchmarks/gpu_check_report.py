@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -18,3 +21,16 @@ class Report:
         """One summary row."""
         self.summary.append((name, value, verdict))
         print(f"[gpu_check] {name}: {value} {verdict}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    """Waits for the device's queued work (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def release(device: torch.device) -> None:
+    """Frees what the last section left behind, so the next one gets the device's memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

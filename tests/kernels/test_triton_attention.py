@@ -119,6 +119,16 @@ def test_attention_block_sizes(block_size: int) -> None:
     check_attention([1, 9, 1], [70, 40, 0], group=2, block_size=block_size)
 
 
+@pytest.mark.parametrize(("block_size", "tile"), [(8, 16), (16, 64), (64, 16), (128, 32)])
+def test_tiles_span_or_split_blocks(block_size: int, tile: int) -> None:
+    """A tile of key positions need not match the KV block: it spans several small blocks or
+    part of a large one, on a decode (split and whole) and a chunk after a prefix."""
+    for query_lens, context_lens, segments in (([1, 1], [70, 130], None), ([1, 1], [70, 130], 3),
+                                               ([9, 1], [50, 100], None)):
+        check_attention(query_lens, context_lens, group=2, block_size=block_size,
+                        num_segments=segments, tile_tokens=tile)
+
+
 def test_attention_bfloat16() -> None:
     """bf16 runs its dots in bf16 on a GPU (in float32 in the interpreter, whose bf16 dot is
     wrong)."""
@@ -127,6 +137,29 @@ def test_attention_bfloat16() -> None:
 
 def test_attention_head_dim_80_pads_to_128() -> None:
     check_attention([1, 11], [50, 20], group=2, head_dim=80)
+
+
+ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="compiled on a GPU only (the "
+                            "interpreter takes minutes for these shapes)")
+
+
+@ON_GPU
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_model_dtypes_and_head_dims(case: str, head_dim: int,
+                                              dtype: torch.dtype) -> None:
+    """The 16-bit dtypes models run in, at the head dims of real models, GQA group 8."""
+    query_lens, context_lens = ATTENTION_CASES[case]
+    check_attention(query_lens, context_lens, group=8, dtype=dtype, head_dim=head_dim)
+
+
+@ON_GPU
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_long_decodes_take_the_split_path(cache_dtype: torch.dtype | None) -> None:
+    """Contexts of thousands of tokens, where the launcher picks split-KV by itself."""
+    check_attention([1, 1, 1, 64], [4000, 1500, 9000, 700], group=4, dtype=torch.bfloat16,
+                    head_dim=128, cache_dtype=cache_dtype, scales=(0.5, 1.5))
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -152,11 +185,12 @@ def check_attention(query_lens: list[int], context_lens: list[int], *, group: in
                     dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype | None = None,
                     scales: tuple[float, float] = (1.0, 1.0), head_dim: int = 64,
                     window: int | None = None, num_segments: int | None = None,
-                    block_size: int = BLOCK_SIZE) -> None:
+                    block_size: int = BLOCK_SIZE, tile_tokens: int | None = None) -> None:
     """Triton unified_attention == the torch twin on one random batch."""
     num_kv_heads = 2 if group == 1 else 1
     num_heads = num_kv_heads * group
-    num_blocks = 24
+    num_blocks = max(24, sum(-(-(q + c) // block_size)
+                             for q, c in zip(query_lens, context_lens, strict=True)) + 1)
     meta = make_meta(query_lens, context_lens, num_blocks, window, block_size)
     k_scale, v_scale = scales
     cache_args = (num_blocks, block_size, num_kv_heads, head_dim, cache_dtype or dtype)
@@ -167,7 +201,8 @@ def check_attention(query_lens: list[int], context_lens: list[int], *, group: in
     expected = torch_ops.unified_attention(query, k_cache, v_cache, meta, scale, k_scale,
                                            v_scale)
     got = triton_ops.unified_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale,
-                                       out=nan_like(query), num_segments=num_segments)
+                                       out=nan_like(query), num_segments=num_segments,
+                                       tile_tokens=tile_tokens)
     torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype],
                                rtol=TOLERANCE[dtype])
 

@@ -59,8 +59,9 @@ def test_the_capture_covers_the_issue_matrix() -> None:
 
 
 def test_guard_messages_name_what_works(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"--block-size 16, 32, 64, 128"):
-        check_triton_support(8, torch.bfloat16, (9, 0))
+    with pytest.raises(ValueError, match=r"--block-size 1, 2, 4, 8, 16, 32, 64, 128"):
+        check_triton_support(12, torch.bfloat16, (9, 0))
+    check_triton_support(8, torch.bfloat16, (9, 0))  # a tile spans several small blocks
     with pytest.raises(ValueError, match="fp8_e5m2"):
         check_triton_support(16, torch.float8_e4m3fn, (8, 0))
     check_triton_support(16, torch.float8_e4m3fn, (8, 9))
@@ -70,6 +71,6 @@ def test_guard_messages_name_what_works(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ValueError, match="sm_80"):
         get_attention_backend("auto", torch.device("cuda"), 16, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="--attention-backend torch"):
-        get_attention_backend("triton", torch.device("cuda"), 4, torch.bfloat16)
+        get_attention_backend("triton", torch.device("cuda"), 12, torch.bfloat16)
     assert type(get_attention_backend("torch", torch.device("cuda"), 4)).__name__ == \
         "TorchAttentionBackend"

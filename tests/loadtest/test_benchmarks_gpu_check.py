@@ -12,7 +12,7 @@ import pytest
 from loadtest.benchmarks import gpu_check
 from loadtest.benchmarks.common import SuiteContext
 from loadtest.benchmarks.gpu_check import main
-from loadtest.benchmarks.gpu_check_e2e import _divergence_ok
+from loadtest.benchmarks.gpu_check_parity import divergence_ok
 
 
 @pytest.mark.slow
@@ -24,20 +24,42 @@ def test_smoke_run_writes_every_section(tmp_path: Path) -> None:
     kinds = {(row["kind"], row["first"], row["ctx"]) for row in data["attention"]}
     assert ("decode", 4, 256) in kinds and any(k[0] == "prefill" for k in kinds)
     assert all(row["ms"] > 0 and row["kv_gbs"] > 0 for row in data["attention"])
-    assert data["parity"][0]["disallowed_divergences"] == 0
+    variants = {row["variant"]: row for row in data["parity"]}
+    assert set(variants) == {"eager", "fp8_e4m3 KV", "fp8_e5m2 KV", "int8 weights",
+                             "int4 weights"}  # CUDA graphs need a GPU
+    assert all(row["disallowed_divergences"] == 0 for row in variants.values())
+    assert variants["int4 weights"]["reference"] == "kvserve on CPU, same method"
+    assert data["offline"]["kvserve"]["tokens_per_s"] > 0
+    assert data["offline"]["generate_batch"]["output_tokens"] == 8 * 8
+    assert set(data["seconds"]) == {"bandwidth", "parity", "offline", "throughput"}
     assert [row["batch"] for row in data["llama8b_decode"]] == [1, 4]
     assert all(row["kvserve_eager"] > 0 and row["transformers"] > 0
                for row in data["llama8b_decode"])
     names = [row[0] for row in data["summary"]]
-    assert any(name.startswith("greedy parity") for name in names)
+    assert any(name.startswith("parity tiny llama") for name in names)
+    assert out.with_suffix(".md").read_text().startswith("Device: cpu (smoke)")
 
 
 def test_divergence_rule() -> None:
     tops = [{1, 2, 3, 4, 5}, {6, 7, 8, 9, 10}]
-    assert _divergence_ok([1, 6], tops, [1, 6], tops)
-    assert _divergence_ok([1, 6], tops, [1, 7], tops)  # each in the other's top 5
-    assert not _divergence_ok([1, 6], tops, [1, 11], tops)  # theirs not in our top 5
-    assert not _divergence_ok([1, 11], tops, [1, 6], tops)  # ours not in their top 5
+    assert divergence_ok(([1, 6], tops), ([1, 6], tops))
+    assert divergence_ok(([1, 6], tops), ([1, 7], tops))  # each in the other's top 5
+    assert not divergence_ok(([1, 6], tops), ([1, 11], tops))  # theirs not in our top 5
+    assert not divergence_ok(([1, 11], tops), ([1, 6], tops))  # ours not in their top 5
+
+
+def test_a_failing_section_is_a_fail_row_and_the_rest_still_run(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from loadtest.benchmarks import gpu_check_kernels
+
+    def broken(*args: object) -> float:
+        raise RuntimeError("copy failed")
+    monkeypatch.setattr(gpu_check_kernels, "copy_bandwidth", broken)
+    out = tmp_path / "gpu_check.json"
+    assert main(["--smoke", "--out", str(out), "--skip", "parity", "offline"]) == 1
+    data = json.loads(out.read_text())
+    assert ["section bandwidth", "RuntimeError: copy failed", "FAIL"] in data["summary"]
+    assert [row["batch"] for row in data["llama8b_decode"]] == [1, 4]  # the next one ran
 
 
 def test_suite_skips_it_without_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -45,7 +67,10 @@ def test_suite_skips_it_without_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     result = gpu_check.run(SuiteContext(log_dir=tmp_path))
     assert result["skipped"] and result["met"] is None
     assert result["summary"] == "skipped: no CUDA GPU"
-    assert "no CUDA GPU" in gpu_check.render(result) and not list(tmp_path.iterdir())
+    text = gpu_check.render(result)
+    assert "no CUDA GPU" in text and not list(tmp_path.iterdir())
+    assert "Last run on a GPU (2026-11-30, one NVIDIA H200" in text  # docs/gpu_check.json
+    assert "| decode attention, batch >= 64, 4k ctx | 98% of copy bandwidth" in text
     assert main(["--out", str(tmp_path / "x.json")]) == 2  # alone, without --smoke: refused
 
 

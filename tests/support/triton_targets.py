@@ -152,7 +152,7 @@ def shapes() -> Iterator[Shape]:
             yield Shape(dtype=dtype, kv_dtype=kv)
     for head_dim in (64, 80, 96, 256):
         yield Shape(head_dim=head_dim)
-    for block_size in (32, 64, 128):
+    for block_size in (1, 2, 4, 8, 32, 64, 128):
         yield Shape(block_size=block_size)
     for group in (1, 8):
         yield Shape(group=group)
@@ -251,7 +251,7 @@ def within_limits(row: dict[str, Any]) -> list[str]:
 
 
 # (KV element type, block size, target) around what the guards decide.
-GUARD_CASES = [(torch.bfloat16, 16, 80), (torch.bfloat16, 8, 90), (torch.bfloat16, 128, 90),
+GUARD_CASES = [(torch.bfloat16, 16, 80), (torch.bfloat16, 8, 90), (torch.bfloat16, 1, 80), (torch.bfloat16, 128, 90),
                (torch.float8_e4m3fn, 16, 80), (torch.float8_e4m3fn, 16, 89),
                (torch.float8_e4m3fn, 32, 90), (torch.float8_e5m2, 16, 80)]
 
