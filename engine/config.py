@@ -24,8 +24,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                  "fp16": "float16"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-# --quantization: weight-only methods applied at load (engine/quantization/).
-QUANTIZATION_METHODS = ("none", "int8", "int4")
+# --quantization: weight-only methods applied at load (engine/quantization/); awq and gptq
+# name a checkpoint that is already 4-bit (and are picked up from its config.json anyway).
+QUANTIZATION_METHODS = ("none", "int8", "int4", "awq", "gptq")
 # Group sizes torch's int4 CPU kernel takes (--quantization-group-size).
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # The torch element type of each fp8 --kv-cache-dtype; `fp8` is vLLM's alias for e4m3 (the
@@ -58,6 +59,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # config.json's quantization_config (an AWQ or GPTQ checkpoint): (quant_method, group_size)
+    checkpoint_quantization: tuple[str, int] | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -96,6 +99,7 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            checkpoint_quantization=_checkpoint_quantization(cfg.get("quantization_config")),
         )
 
     @classmethod
@@ -121,6 +125,30 @@ class ModelConfig:
         return self.num_hidden_layers * layer + embed + h
 
 
+def _checkpoint_quantization(qc: dict[str, Any] | None) -> tuple[str, int] | None:
+    if not qc:
+        return None
+    return (str(qc.get("quant_method", "")).lower(),
+            int(qc.get("group_size", qc.get("q_group_size", 128))))
+
+
+def effective_quantization(requested: str, cfg: ModelConfig) -> str:
+    """The method a model loads with: a quantized checkpoint's own (awq, gptq), which an
+    explicit different --quantization contradicts; else `requested`."""
+    found = cfg.checkpoint_quantization[0] if cfg.checkpoint_quantization else None
+    if found is None:
+        if requested in ("awq", "gptq"):
+            raise ValueError(f"--quantization {requested} needs a checkpoint quantized with "
+                             f"{requested} (its config.json names quant_method "
+                             f"{requested!r}); this model has no quantization_config")
+        return requested
+    if requested not in ("none", found):
+        raise ValueError(f"this checkpoint is already {found}-quantized (config.json's "
+                         f"quantization_config); --quantization {requested} cannot apply: omit "
+                         f"it or pass {found}")
+    return found
+
+
 def _flag(default: Any, help: str, *, cli: bool = True, plan: bool = False,
           choices: tuple[str, ...] | None = None) -> Any:
     """One engine flag: its default and help, whether `serve`/`generate` (cli) and `plan` take
@@ -141,7 +169,9 @@ class EngineArgs:
                        "CUDA and on CPUs with avx512_bf16 or amx_bf16, else float32)", plan=True)
     quantization: str = _flag(
         "none", "weight-only quantization of the linear layers, done at load: none, int8 (per "
-        "output channel) or int4 (per group of --quantization-group-size inputs)", plan=True,
+        "output channel) or int4 (per group of --quantization-group-size inputs); an AWQ or "
+        "GPTQ checkpoint's 4-bit codes are used as they are (awq/gptq, found in its "
+        "config.json)", plan=True,
         choices=QUANTIZATION_METHODS)
     quantization_group_size: int | None = _flag(
         None, "int4 group size: 32, 64, 128 or 256 input columns per scale (default: 32, which "

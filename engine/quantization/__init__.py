@@ -14,9 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.config import QUANTIZATION_METHODS, ModelConfig
+from engine.config import (
+    INT4_GROUP_SIZES,
+    QUANTIZATION_METHODS,
+    ModelConfig,
+    effective_quantization,
+)
 from engine.cpu_features import auto_cpu_dtype
 from engine.models.cpu_linear import PackedLinear
+from engine.quantization.checkpoint import CheckpointCodes
 from engine.quantization.methods import (
     ApplyPlan,
     Int4Method,
@@ -112,22 +118,29 @@ class QuantizationReport:
 
 def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
                    device: torch.device, group_size: int | None = None,
-                   plan: ApplyPlan | None = None) -> QuantizationReport:
+                   plan: ApplyPlan | None = None,
+                   checkpoint: CheckpointCodes | None = None) -> QuantizationReport:
     """Replaces the decoder's linear layers (and the LM head, see LM_HEAD_METHOD) of a loaded
     float model by QuantizedLinears. Call with float32 weights, then cast the rest.
 
     `plan` overrides `apply_plan` (benchmarks). When the fused kernel fails the probe, every
-    layer dequantizes instead and a WARNING says why.
+    layer dequantizes instead and a WARNING says why. With `checkpoint` (an AWQ or GPTQ
+    checkpoint's codes) the layers take the checkpoint's codes through the int4 method and the
+    LM head stays as the checkpoint stores it.
     """
+    if checkpoint is not None:
+        group_size = checkpoint.quant.group_size
     plan = plan or apply_plan(method, model_dtype, device)
-    linear_method = make_method(method, plan, group_size)
+    if checkpoint is not None and group_size not in INT4_GROUP_SIZES:
+        plan = ApplyPlan("dequant", model_dtype)  # no fused kernel for this group size
+    linear_method = make_method("int4" if checkpoint is not None else method, plan, group_size)
     reason = probe_fused(linear_method) if plan.mode == "fused" else None
     if reason is not None:
         logger.warning("--quantization %s: torch's fused %s kernel failed its startup probe "
                        "(%s); dequantizing each weight before its matmul instead (correct, "
                        "slower)", method, method, reason)
         plan = ApplyPlan("dequant", model_dtype)
-        linear_method = make_method(method, plan, group_size)
+        linear_method = make_method(linear_method.name, plan, group_size)
     elif plan.mode == "dequant" and device.type == "cpu":
         logger.warning("--quantization %s on a %s model without native bf16 on this CPU: "
                        "weights are dequantized before each matmul, which saves memory but "
@@ -135,15 +148,37 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
                        "quantization)", method, str(model_dtype).removeprefix("torch."))
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, nn.Linear) and name != "lm_head"]
+    parts = checkpoint_parts(model, checkpoint) if checkpoint is not None else {}
     fused = 0
     for name, module in targets:
-        layer = QuantizedLinear(module, linear_method)
+        tensors = None
+        if checkpoint is not None:
+            if name not in parts:
+                continue  # a layer the checkpoint keeps in float
+            tensors = checkpoint.layer_tensors(parts[name], linear_method)  # type: ignore[arg-type]
+            if tensors is None:
+                logger.warning("%s: GPTQ act-order groups are not contiguous; %s is "
+                               "re-quantized to int4 groups of 32 from its exact float weight",
+                               method, name)
+                tensors = make_method("int4", plan, None).create_weights(module.weight.detach())
+        layer = QuantizedLinear(module, linear_method, tensors)
         fused += layer.fused
         _replace(model, name, layer)
-    head_method = LM_HEAD_METHOD[method]
+    head_method = "none" if checkpoint is not None else LM_HEAD_METHOD[method]
     _quantize_lm_head(model, head_method, plan, group_size, model_dtype)
-    return QuantizationReport(method, len(targets), fused, plan.compute_dtype, head_method,
-                              reason)
+    return QuantizationReport(method, len(parts) if checkpoint is not None else len(targets),
+                              fused, plan.compute_dtype, head_method, reason)
+
+
+def checkpoint_parts(model: nn.Module, checkpoint: CheckpointCodes) -> dict[str, list[str]]:
+    """Each fused linear of `model` -> the checkpoint modules whose rows it holds, in order."""
+    map_name = getattr(model, "_map_name")  # noqa: B009 (the model's HF name mapping)
+    found: dict[str, list[tuple[int, str]]] = {}
+    for module in checkpoint.layers:
+        target, offset = map_name(f"{module}.weight")
+        if target is not None:
+            found.setdefault(target.removesuffix(".weight"), []).append((offset, module))
+    return {name: [m for _, m in sorted(rows)] for name, rows in found.items()}
 
 
 def _quantize_lm_head(model: nn.Module, head_method: str, plan: ApplyPlan,
@@ -200,13 +235,13 @@ def resident_weight_bytes(model: nn.Module) -> int:
 def _linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes: int,
                   scale_bytes: int, group_size: int | None) -> int:
     """Bytes one out x in linear weight takes under `method` (float weights in the model
-    dtype, scales in the compute dtype)."""
+    dtype, scales in the compute dtype; group_size -1: one group over the whole input)."""
     if method == "none":
         return out_features * in_features * dtype_bytes
     if method == "int8":
         return out_features * in_features + out_features * scale_bytes
-    group = Int4Method(ApplyPlan("dequant", torch.float32), group_size).layer_group_size(
-        in_features)
+    group = in_features if group_size == -1 else Int4Method(
+        ApplyPlan("dequant", torch.float32), group_size).layer_group_size(in_features)
     return out_features * in_features // 2 + (in_features // group) * out_features * 2 * \
         scale_bytes
 
@@ -216,9 +251,15 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
                            compute_dtype: torch.dtype | None = None) -> int:
     """The weight bytes a model of `cfg` takes after loading with `--quantization method`, from
     the config alone; equal to `resident_weight_bytes` of the loaded model. `compute_dtype` is
-    the apply plan's (scales and biases are kept in it; default: `dtype`)."""
+    the apply plan's (scales and biases are kept in it; default: `dtype`). An AWQ or GPTQ
+    checkpoint counts as int4 at its own group size with its LM head in float."""
+    method = effective_quantization(method, cfg)
     if method == "none":
         return cfg.num_params() * dtype.itemsize
+    head_method = LM_HEAD_METHOD.get(method, "none")
+    if method in ("awq", "gptq"):
+        assert cfg.checkpoint_quantization is not None
+        method, group_size = "int4", cfg.checkpoint_quantization[1]
     b = dtype.itemsize
     sb = (compute_dtype or dtype).itemsize
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -227,7 +268,6 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
     shapes = ((q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter))
     layer = sum(_linear_bytes(method, n, k, b, sb, group_size) for n, k in shapes)
     layer += 2 * h * b + ((q + 2 * kv) * sb if cfg.attention_bias else 0)
-    head_method = LM_HEAD_METHOD[method]
     head = _linear_bytes(head_method, vocab, h, b, sb, group_size)
     shared = cfg.tie_word_embeddings and head_method in ("none", "int8")
     embed = 0 if shared else vocab * h * b

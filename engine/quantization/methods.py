@@ -131,7 +131,8 @@ class Int4Method(LinearMethod):
                          f"layer has {in_features}")
 
     def supports_fused(self, out_features: int, in_features: int) -> bool:
-        return out_features % INT4_ROW_TILE == 0
+        group = self.group_size or DEFAULT_INT4_GROUP_SIZES[0]
+        return out_features % INT4_ROW_TILE == 0 and group in INT4_GROUP_SIZES
 
     def create_weights(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         out_features, in_features = weight.shape
@@ -141,17 +142,24 @@ class Int4Method(LinearMethod):
         scales = ((high - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
         codes = ((w - low[..., None]) / scales[..., None]).round().clamp(0, 15)
         codes = codes.reshape(out_features, in_features).to(torch.int32)
-        zeros = low + 8.0 * scales  # tinygemm: w = (q - 8) * scale + zero
+        return self.weights_from_codes(codes, scales, low + 8.0 * scales)
+
+    def weights_from_codes(self, codes: torch.Tensor, scales: torch.Tensor,
+                           zeros: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The layer's tensors for codes [out, in] in 0..15 and per-group scales and tinygemm
+        zeros [out, groups]: w = (q - 8) x scale + zero. (A checkpoint's integer zero point z,
+        w = (q - z) x scale, is the tinygemm zero (8 - z) x scale.)"""
+        out_features, in_features = codes.shape
         # [groups, out, 2]: the layout `_weight_int4pack_mm_for_cpu` reads.
-        scale_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+        scale_zeros = torch.stack((scales.float(), zeros.float()), dim=-1).transpose(0, 1)
         if self.plan.mode == "fused" and self.supports_fused(out_features, in_features):
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
             layout = "kernel"
         else:
             packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
             layout = "nibbles"
         return {"qweight": packed.contiguous(),
-                "scale_zeros": scale_zeros.to(self.plan.compute_dtype),
+                "scale_zeros": scale_zeros.contiguous().to(self.plan.compute_dtype),
                 f"layout_{layout}": torch.empty(0, dtype=torch.uint8)}
 
     def unpack_codes(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -189,7 +197,10 @@ class Int4Method(LinearMethod):
 class QuantizedLinear(nn.Module):
     """A linear layer whose weight lives in a LinearMethod's format (buffers, not parameters)."""
 
-    def __init__(self, linear: nn.Linear, method: LinearMethod) -> None:
+    def __init__(self, linear: nn.Linear, method: LinearMethod,
+                 tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """`tensors`: the method's tensors when they come ready-made (a quantized checkpoint's
+        codes); else they are made from the float weight."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -197,7 +208,9 @@ class QuantizedLinear(nn.Module):
         self.fused = method.plan.mode == "fused" and method.supports_fused(
             self.out_features, self.in_features)
         self._names: list[str] = []
-        for name, tensor in method.create_weights(linear.weight.detach()).items():
+        if tensors is None:
+            tensors = method.create_weights(linear.weight.detach())
+        for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
             self._names.append(name)
         self.bias: torch.Tensor | None

@@ -9,7 +9,7 @@ import time
 import torch
 
 from engine.capacity import format_gib
-from engine.config import FP8_KV_CACHE_DTYPES, EngineArgs, ModelConfig
+from engine.config import FP8_KV_CACHE_DTYPES, EngineArgs, ModelConfig, effective_quantization
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
 from engine.cpu_features import auto_cpu_dtype
 from engine.model_loader.loader import ModelSource, iter_weights
@@ -17,6 +17,11 @@ from engine.models import build_model
 from engine.models.cpu_linear import pack_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.quantization import cast_float_parameters, quantize_model, resident_weight_bytes
+from engine.quantization.checkpoint import (
+    CHECKPOINT_METHODS,
+    CheckpointCodes,
+    read_checkpoint_quantization,
+)
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.worker.input_batch import decode_batch, prepare_inputs
@@ -51,7 +56,14 @@ class ModelRunner:
             dtype, why = auto_cpu_dtype()
             logger.info("--dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."),
                         why)
-        quantization = self.args.quantization
+        quantization = effective_quantization(self.args.quantization, self.config)
+        checkpoint = None
+        if quantization in CHECKPOINT_METHODS:  # an AWQ/GPTQ checkpoint: its codes, as stored
+            quant = read_checkpoint_quantization(source.path)
+            if self.args.load_format == "dummy" or quant is None:
+                quantization = "int4"  # random weights: int4 at load has the same layout
+            else:
+                checkpoint = CheckpointCodes(quant)
         # Quantized methods start from float32 weights (not ones already rounded to 16 bits).
         load_dtype = self.dtype if quantization == "none" else torch.float32
         with torch.device("meta"):
@@ -62,11 +74,12 @@ class ModelRunner:
         if self.args.load_format == "dummy":
             _init_dummy_weights(model)
         else:
-            model.load_weights(iter_weights(source, load_dtype))
+            weights = iter_weights(source, load_dtype)
+            model.load_weights(checkpoint.weights(weights) if checkpoint else weights)
         how = "unquantized"
         if quantization != "none":
             report = quantize_model(model, quantization, self.dtype, self.device,
-                                    self.args.quantization_group_size)
+                                    self.args.quantization_group_size, checkpoint=checkpoint)
             cast_float_parameters(model, self.dtype)
             how = (f"--quantization {quantization}: {report.fused_layers} of {report.layers} "
                    f"linear layers on torch's fused {quantization} kernel, "

@@ -304,9 +304,9 @@ def test_bad_quantization_is_refused_naming_the_choices(tiny_llama_dir: Path,
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--quantization", "awq"])
+        parser.parse_args(["--quantization", "fp4"])
     err = capsys.readouterr().err
-    assert "invalid choice: 'awq'" in err and all(m in err for m in ("none", "int8", "int4"))
+    assert "invalid choice: 'fp4'" in err and all(m in err for m in ("none", "int8", "int4"))
     assert EngineArgs.from_kwargs(None, quantization=None).quantization == "none"
 
 

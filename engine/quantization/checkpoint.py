@@ -1,0 +1,188 @@
+"""AWQ and GPTQ checkpoints: 4-bit codes read from the files, run through the int4 method.
+
+A checkpoint quantized by AutoAWQ or GPTQ tools names its method in config.json's
+`quantization_config` and stores, per linear layer, `qweight` (eight 4-bit codes per int32),
+`qzeros` (the integer zero points, packed the same way), `scales` ([groups, out], 16-bit) and
+for GPTQ `g_idx` (each input row's group). The layouts:
+
+- AWQ ("gemm" version): qweight [in, out / 8], packed along the output dimension in the
+  interleaved order 0, 2, 4, 6, 1, 3, 5, 7 (nibble k of word j holds column 8j + ORDER[k]);
+  qzeros [groups, out / 8] likewise; w[i, o] = (q - z) x s.
+- GPTQ: qweight [in / 8, out], packed along the input dimension in order; qzeros
+  [groups, out / 8] packed in order along the output; the classic format ("gptq", version 1)
+  stores z - 1, "gptq_v2" stores z; w[i, o] = (q - z) x s[g_idx[i]].
+
+`CheckpointCodes.weights` turns the checkpoint's tensors into float weights for the model's
+loader (so fused q/k/v and gate/up rows land where they always do) and keeps each layer's codes;
+`layer_tensors` then builds the fused layer's int4 tensors from the codes exactly: tinygemm's
+zero is (8 - z) x s. GPTQ's act-order (`desc_act`, a g_idx that is not contiguous groups) has no
+contiguous-group layout: those layers are re-quantized from their float weights, with a WARNING.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.quantization.methods import Int4Method
+
+logger = logging.getLogger("kvserve")
+
+CHECKPOINT_METHODS = ("awq", "gptq")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """What config.json's quantization_config says."""
+
+    method: str  # "awq" or "gptq"
+    group_size: int  # -1: one group over the whole input
+    zero_offset: int  # added to the stored zero points (GPTQ v1 stores z - 1)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any] | None) -> CheckpointQuantization | None:
+        """None for an unquantized config; ValueError for a quantization kvserve cannot run."""
+        if not cfg:
+            return None
+        method = str(cfg.get("quant_method", "")).lower()
+        if method not in CHECKPOINT_METHODS:
+            raise ValueError(f"checkpoint quantization {method!r} is not supported; kvserve "
+                             f"loads {', '.join(CHECKPOINT_METHODS)} (4-bit) checkpoints")
+        bits = int(cfg.get("bits", cfg.get("w_bit", 4)))
+        if bits != 4:
+            raise ValueError(f"{method} checkpoint with {bits}-bit weights: kvserve loads 4-bit "
+                             "AWQ and GPTQ checkpoints only")
+        group = int(cfg.get("group_size", cfg.get("q_group_size", 128)))
+        if method == "awq":
+            version = str(cfg.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ValueError(f"AWQ version {version!r} is not supported; kvserve reads the "
+                                 "'gemm' layout")
+            if not cfg.get("zero_point", True):
+                raise ValueError("AWQ checkpoints without zero points are not supported")
+            return cls(method, group, 0)
+        v1 = str(cfg.get("checkpoint_format", "gptq")).lower() != "gptq_v2"
+        return cls(method, group, 1 if v1 else 0)
+
+
+def read_checkpoint_quantization(folder: Path) -> CheckpointQuantization | None:
+    """The quantization an HF folder's config.json names (None when it names none)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    return CheckpointQuantization.from_config(json.loads(path.read_text())
+                                              .get("quantization_config"))
+
+
+def unpack_rows(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """int32 [rows, cols] -> int32 [rows, cols x 8] codes; nibble k goes to column 8j+order[k]."""
+    nibbles = (packed[:, :, None] >> SHIFTS) & 0xF  # [rows, cols, 8], nibble k at [.., k]
+    out = torch.empty_like(nibbles)
+    out[:, :, list(order)] = nibbles
+    return out.reshape(packed.shape[0], -1)
+
+
+@dataclass
+class LayerCodes:
+    """One checkpoint layer: codes [out, in], scales and integer zeros [out, groups]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    contiguous_groups: bool = True
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in] the codes stand for."""
+        out_features, in_features = self.codes.shape
+        groups = self.scales.shape[1]
+        w = (self.codes.reshape(out_features, groups, -1).float() - self.zeros[..., None]) * \
+            self.scales[..., None]
+        return w.reshape(out_features, in_features)
+
+
+def awq_layer(tensors: dict[str, torch.Tensor], group: int) -> LayerCodes:
+    """AWQ gemm tensors -> codes and per-group scales/zeros in [out, ...] layout."""
+    codes = unpack_rows(tensors["qweight"].to(torch.int32), AWQ_ORDER).t()  # [out, in]
+    zeros = unpack_rows(tensors["qzeros"].to(torch.int32), AWQ_ORDER).t().float()
+    scales = tensors["scales"].float().t()  # [out, groups]
+    _check_groups(codes.shape[1], scales.shape[1], group)
+    return LayerCodes(codes.contiguous(), scales.contiguous(), zeros.contiguous())
+
+
+def gptq_layer(tensors: dict[str, torch.Tensor], group: int, zero_offset: int) -> LayerCodes:
+    """GPTQ tensors -> codes and per-group scales/zeros in [out, ...] layout; a g_idx that is
+    not contiguous groups (act-order) is expanded to one group per input row."""
+    packed = tensors["qweight"].to(torch.int32)  # [in / 8, out], packed along the input
+    codes = unpack_rows(packed.t().contiguous()).contiguous()  # [out, in]
+    zeros = unpack_rows(tensors["qzeros"].to(torch.int32)).t().float() + zero_offset
+    scales = tensors["scales"].float().t()
+    in_features, groups = codes.shape[1], scales.shape[1]
+    g_idx = tensors.get("g_idx")
+    size = in_features // groups
+    if g_idx is not None and not torch.equal(g_idx.long(),
+                                             torch.arange(in_features) // size):
+        rows = g_idx.long()  # act-order: each input row's own group, no contiguous blocks
+        return LayerCodes(codes, scales[:, rows].contiguous(), zeros[:, rows].contiguous(),
+                          contiguous_groups=False)
+    _check_groups(in_features, groups, group)
+    return LayerCodes(codes, scales.contiguous(), zeros.contiguous())
+
+
+def _check_groups(in_features: int, groups: int, group: int) -> None:
+    expected = 1 if group == -1 else in_features // group
+    if groups != expected:
+        raise ValueError(f"quantized layer has {groups} scale groups for {in_features} inputs; "
+                         f"group_size {group} means {expected}")
+
+
+@dataclass
+class CheckpointCodes:
+    """The codes of every quantized layer of one checkpoint, by HF module name."""
+
+    quant: CheckpointQuantization
+    layers: dict[str, LayerCodes] = field(default_factory=dict)
+
+    def weights(self, tensors: Iterable[tuple[str, torch.Tensor]]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors with each quantized layer as `<module>.weight` (float32,
+        exact), keeping its codes in `self.layers`."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        parts = ("qweight", "qzeros", "scales", "g_idx")
+        for name, tensor in tensors:
+            module, _, part = name.rpartition(".")
+            if part not in parts:
+                yield name, tensor
+                continue
+            entry = pending.setdefault(module, {})
+            entry[part] = tensor
+            needed = {"qweight", "qzeros", "scales"} | ({"g_idx"} if self.quant.method ==
+                                                         "gptq" else set())
+            if needed <= entry.keys():
+                layer = (awq_layer(entry, self.quant.group_size) if self.quant.method == "awq"
+                         else gptq_layer(entry, self.quant.group_size, self.quant.zero_offset))
+                self.layers[module] = layer
+                del pending[module]
+                yield f"{module}.weight", layer.dequantize()
+        if pending:
+            raise ValueError(f"incomplete quantized layers in the checkpoint: "
+                             f"{sorted(pending)[:3]} (each needs qweight, qzeros, scales"
+                             f"{', g_idx' if self.quant.method == 'gptq' else ''})")
+
+    def layer_tensors(self, parts: list[str], method: Int4Method) -> dict[str, torch.Tensor] | None:
+        """The int4 tensors of a fused layer made of the checkpoint modules `parts` (in row
+        order), built from their codes; None when a part is act-order (re-quantize instead)."""
+        layers = [self.layers[p] for p in parts]
+        if not all(layer.contiguous_groups for layer in layers):
+            return None
+        codes = torch.cat([layer.codes for layer in layers])
+        scales = torch.cat([layer.scales for layer in layers])
+        zeros = torch.cat([layer.zeros for layer in layers])
+        return method.weights_from_codes(codes, scales, (8.0 - zeros) * scales)
