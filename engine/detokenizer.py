@@ -6,9 +6,13 @@ be the start of a stop string is held back from streaming until it is known not 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+
+# ids, skip_special_tokens -> text
+DecodeFn = Callable[[list[int], bool], str]
 
 # Prompt ids kept as left context, so the first generated token decodes with the spacing it has
 # after the prompt (SentencePiece drops a leading space at the start of a decode).
@@ -18,9 +22,10 @@ NUM_CONTEXT_IDS = 6
 class IncrementalDetokenizer:
     """Turns one choice's sampled ids into text, step by step."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams
-                 ) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+                 decode: DecodeFn | None = None) -> None:
         self.tokenizer = tokenizer
+        self._raw_decode = decode if decode is not None else fast_decoder(tokenizer)
         self.skip_special = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
@@ -63,4 +68,32 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
+        if self._raw_decode is not None:
+            return self._raw_decode(ids, self.skip_special)
         return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
+
+
+def fast_decoder(tokenizer: Any) -> DecodeFn | None:
+    """The Rust `tokenizers.Tokenizer.decode` behind a transformers tokenizer, when
+    transformers' own `decode` would return exactly its text (no override, no clean-up): the
+    wrapper's argument conversion cost more than the decode itself, twice per token. None
+    otherwise (the wrapper is used)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or \
+            cls.decode is not PreTrainedTokenizerBase.decode or \
+            cls._decode is not TokenizersBackend._decode:
+        return None
+    if tokenizer.clean_up_tokenization_spaces:
+        bpe = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+        forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_"
+                                    "corrupt_output", False)
+        if not bpe or forced:
+            return None
+    backend: Any = tokenizer.backend_tokenizer  # the tokenizers.Tokenizer
+    decode: DecodeFn = backend.decode
+    return decode

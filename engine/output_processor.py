@@ -99,16 +99,17 @@ class OutputProcessor:
     def process(self, requests: list[Request], now: float) -> list[RequestOutput]:
         """Handles the requests that sampled a token this step; returns the outputs made."""
         touched: dict[str, _RequestState] = {}
+        by_choice, take_token = self._by_choice, self._take_token
         for request in requests:
-            entry = self._by_choice.get(request.request_id)
+            entry = by_choice.get(request.request_id)
             if entry is None:
                 continue
             state, choice = entry
-            self._take_token(request, choice, state, now)
+            take_token(request, choice, state, now)
             state.touched.add(request.choice_index)
             touched[state.parent.request_id] = state
-        return [out for state in touched.values()
-                if (out := self._emit(state, now)) is not None]
+        emit = self._emit
+        return [out for state in touched.values() if (out := emit(state, now)) is not None]
 
     def finish_without_token(self, requests: list[Request], now: float) -> list[RequestOutput]:
         """Outputs for requests the scheduler ended without a new token (a failed step)."""
@@ -140,10 +141,13 @@ class OutputProcessor:
         if request.sampling_params.logprobs is not None:
             for logprob_id, logprob in request.logprobs[-1].items():
                 logprob.decoded_token = str(self.tokenizer.decode([logprob_id]))
-        if self.metrics is not None:
+        metrics = self.metrics
+        if metrics is not None:
             last = choice.last_token_time
-            self.metrics.observe_token(now - (last if last is not None else
-                                              state.parent.arrival_time), last is None)
+            if last is None:
+                metrics.observe_token(now - state.parent.arrival_time, True)
+            else:
+                metrics.observe_token(now - last, False)
         choice.last_token_time = now
 
     def _emit(self, state: _RequestState, now: float) -> RequestOutput | None:
@@ -152,10 +156,14 @@ class OutputProcessor:
         if state.kind is RequestOutputKind.FINAL_ONLY and not finished:
             state.touched.clear()
             return None
-        indexes = sorted(state.touched) if state.kind is RequestOutputKind.DELTA else \
-            range(len(parent.choices))
-        outputs = [self._completion(parent.choices[i], state.choices[i], state.kind)
-                   for i in indexes]
+        choices = parent.choices
+        if len(choices) == 1:  # most requests: no index bookkeeping
+            outputs = [self._completion(choices[0], state.choices[0], state.kind)]
+        else:
+            indexes = sorted(state.touched) if state.kind is RequestOutputKind.DELTA else \
+                range(len(choices))
+            outputs = [self._completion(choices[i], state.choices[i], state.kind)
+                       for i in indexes]
         state.touched.clear()
         first = parent.choices[0]
         if finished:

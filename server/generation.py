@@ -73,11 +73,14 @@ class Call:
         try:
             if self.builder.spec.kind == "chat":
                 yield self.builder.role_chunk()
-            async for prompt_index, output in self._outputs():
-                _raise_if_failed(output)
-                deltas = self.builder.update(prompt_index, output)
-                if deltas:
-                    yield self.builder.chunk(deltas)
+            if len(self.streams) == 1:  # most calls: read the one stream with no relay
+                async for output in self.streams[0]:
+                    if (chunk := self._chunk(0, output)) is not None:
+                        yield chunk
+            else:
+                async for prompt_index, output in self._outputs():
+                    if (chunk := self._chunk(prompt_index, output)) is not None:
+                        yield chunk
             if self.builder.spec.include_usage:
                 yield self.builder.usage_chunk()
         finally:
@@ -101,11 +104,12 @@ class Call:
         for stream in self.streams:
             stream.cancel()
 
+    def _chunk(self, prompt_index: int, output: RequestOutput) -> dict[str, Any] | None:
+        _raise_if_failed(output)
+        deltas = self.builder.update(prompt_index, output)
+        return self.builder.chunk(deltas) if deltas else None
+
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(self.streams) == 1:
-            async for output in self.streams[0]:
-                yield 0, output
-            return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = \
             asyncio.Queue()
         tasks = [asyncio.create_task(_pump(i, s, queue)) for i, s in enumerate(self.streams)]

@@ -31,6 +31,9 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # Each request's block table as a tuple, rebuilt only when it grows: the scheduler
+        # reads it for every running request every step.
+        self._tables: dict[str, tuple[int, ...]] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -45,6 +48,13 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table, as the immutable tuple a step's batch carries."""
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = tuple(self.get_block_ids(request_id))
+        return table
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of already-computed full blocks for a request being admitted.
@@ -85,6 +95,8 @@ class KVCacheManager:
         if needed > self.num_free_blocks - num_free_hits:
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        if computed or needed > 0:
+            self._tables.pop(request.request_id, None)
         if computed:
             self.pool.touch(computed)
             blocks.extend(computed)
@@ -104,7 +116,9 @@ class KVCacheManager:
             return
         rid = request.request_id
         blocks = self.req_blocks.get(rid, [])
-        num_full = min(num_tokens // self.block_size, len(blocks))
+        # Only known tokens can be keyed: a token still being sampled (async scheduling) waits
+        # for the next call, once the step in flight has returned it.
+        num_full = min(min(num_tokens, request.num_tokens) // self.block_size, len(blocks))
         start = self.num_cached_blocks.get(rid, 0)
         if num_full <= start:
             return
@@ -127,6 +141,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Returns the request's blocks, tail first, so head blocks stay cached longest."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._tables.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(request.request_id, None)
         if request.is_finished:

@@ -33,7 +33,10 @@ class ParentRequest:
     @property
     def finished(self) -> bool:
         """Whether every choice is done."""
-        return all(c.is_finished for c in self.choices)
+        for choice in self.choices:  # a plain loop: read for every request every step
+            if not choice.status.finished:
+                return False
+        return True
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

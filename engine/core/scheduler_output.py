@@ -7,7 +7,7 @@ Kept apart from the scheduler so the worker side imports these types and never t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
@@ -15,10 +15,15 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import xgrammar
 
+# A token id the scheduler does not know yet (async scheduling: it is being sampled by the step
+# in flight); the worker replaces it with that step's sampled token before the forward.
+PLACEHOLDER_TOKEN_ID = -1
 
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step, frozen so the worker thread can read it safely."""
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step, immutable so the worker thread can read it safely (a
+    NamedTuple: built for every running request every step, several times cheaper than a
+    frozen dataclass)."""
 
     request_id: str
     token_ids: tuple[int, ...]  # the tokens computed this step
@@ -58,3 +63,6 @@ class StepResult:
     # ignore_eos) and requests whose token the grammar refused (they end with an error).
     grammar_terminated: set[str] = field(default_factory=set)
     grammar_rejected: set[str] = field(default_factory=set)
+    # The step's forward seconds as the worker timed it (0.0: not timed); the adaptive step
+    # budget learns step costs from it.
+    forward_seconds: float = 0.0

@@ -4,11 +4,12 @@ which rows sample; or, for a pure-decode step the CUDA graphs can take, their De
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeBatch, DecodeGraphRunner
 from kernels.metadata import AttentionMetadata
 
@@ -24,14 +25,42 @@ class BatchInputs:
     sampling_rows: list[ScheduledRequest]
 
 
-def decode_batch(batch: SchedulerOutput, block_size: int,
-                 graphs: DecodeGraphRunner | None) -> DecodeBatch | None:
+NO_TOKENS: Mapping[str, int] = {}
+
+
+def filled_token_ids(row: ScheduledRequest, previous: Mapping[str, int]) -> tuple[int, ...]:
+    """The row's token ids with the placeholders of async scheduling (always at its end)
+    replaced by the token the previous step sampled for it."""
+    ids = row.token_ids
+    if not ids or ids[-1] != PLACEHOLDER_TOKEN_ID:
+        return ids
+    # 0 only for a request whose previous step failed: it has ended, its output is dropped.
+    token = previous.get(row.request_id, 0)
+    return tuple(token if t == PLACEHOLDER_TOKEN_ID else t for t in ids)
+
+
+def with_history(rows: list[ScheduledRequest], previous: Mapping[str, int]
+                 ) -> list[ScheduledRequest]:
+    """Rows whose penalties need the output history, with the tokens in flight added to it."""
+    out = rows
+    for i, row in enumerate(rows):
+        if row.sampling_params.needs_penalties and row.token_ids and \
+                row.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            filled = filled_token_ids(row, previous)
+            missing = filled[len(filled) - row.token_ids.count(PLACEHOLDER_TOKEN_ID):]
+            out = list(out) if out is rows else out
+            out[i] = row._replace(output_token_ids=row.output_token_ids + missing)
+    return out
+
+
+def decode_batch(batch: SchedulerOutput, block_size: int, graphs: DecodeGraphRunner | None,
+                 previous: Mapping[str, int] = NO_TOKENS) -> DecodeBatch | None:
     """The batch as graph-runner input when it is all decodes and a graph fits; else None."""
     if graphs is None or not all(len(r.token_ids) == 1 and r.sample for r in batch.requests):
         return None
     bs = block_size
     decode = DecodeBatch(
-        token_ids=[r.token_ids[0] for r in batch.requests],
+        token_ids=[filled_token_ids(r, previous)[0] for r in batch.requests],
         positions=[r.start_pos for r in batch.requests],
         slots=[r.block_ids[r.start_pos // bs] * bs + r.start_pos % bs for r in batch.requests],
         block_tables=[list(r.block_ids) for r in batch.requests])
@@ -39,14 +68,16 @@ def decode_batch(batch: SchedulerOutput, block_size: int,
 
 
 def prepare_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int | None,
-                   device: torch.device) -> BatchInputs:
-    """Flattens a mixed batch of prefill chunks and decodes into varlen tensors."""
+                   device: torch.device, previous: Mapping[str, int] = NO_TOKENS
+                   ) -> BatchInputs:
+    """Flattens a mixed batch of prefill chunks and decodes into varlen tensors; `previous`
+    holds the last step's sampled tokens, for placeholders."""
     token_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, logits_idx = [], [], []
     for item in batch.requests:
         num = len(item.token_ids)
-        token_ids.extend(item.token_ids)
+        token_ids.extend(filled_token_ids(item, previous))
         positions.extend(range(item.start_pos, item.start_pos + num))
         query_lens.append(num)
         seq_lens.append(item.start_pos + num)

@@ -67,13 +67,27 @@ class OverheadConfig:
 
 
 class StepStart(NamedTuple):
-    """When a non-empty step started (wall and loop-thread CPU clocks) and what it held."""
+    """When a non-empty step started (wall and loop-thread CPU clocks) and its batch (sizes
+    and mean context are read afterwards, so the recording adds no work to the step)."""
 
     wall: float
     cpu: float
-    requests: int
-    tokens: int
-    context: float
+    batch: SchedulerOutput
+
+    @property
+    def requests(self) -> int:
+        """Requests in the step."""
+        return len(self.batch.requests)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens computed in the step."""
+        return self.batch.num_tokens
+
+    @property
+    def context(self) -> float:
+        """Mean context length of its requests."""
+        return statistics.fmean(r.start_pos + len(r.token_ids) for r in self.batch.requests)
 
 
 class RecordingEngine(LLMEngine):
@@ -88,9 +102,7 @@ class RecordingEngine(LLMEngine):
         wall, cpu = time.perf_counter(), time.thread_time()
         batch = super().schedule()
         if batch.requests:
-            context = statistics.fmean(r.start_pos + len(r.token_ids) for r in batch.requests)
-            self.step_starts.append(StepStart(wall, cpu, len(batch.requests), batch.num_tokens,
-                                              context))
+            self.step_starts.append(StepStart(wall, cpu, batch))
         return batch
 
 
@@ -310,7 +322,9 @@ def render(result: dict[str, Any]) -> str:
         f"and mean context, timed alone (median of {cfg['reference_steps']}).",
         "", main, "",
         "Where the step goes (medians; hand-off includes the consumers' SSE work that outlasts "
-        "the tiny forward; loop-thread CPU is all event-loop work per step, consumers included):",
+        "the tiny forward; loop-thread CPU is all event-loop work per step, consumers included; "
+        "with async scheduling the next step is scheduled and applied while the forward runs, "
+        "so the parts overlap and need not add up to the step: between steps can go negative):",
         "", parts, "",
         "Share = overhead / (overhead + reference forward). It assumes no overlap; with "
         "SmolLM2's forward the consumers run while it computes, so the real share is lower.",
