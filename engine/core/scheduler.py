@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.parallel_sampling import waits_for_sibling
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from engine.core.step_budget import AdaptiveStepBudget
 from engine.outputs import PositionLogprobs
 
 
@@ -28,10 +29,12 @@ class Scheduler:
     """Decides, each step, which requests compute how many tokens."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, step_budget: AdaptiveStepBudget | None = None) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # None: the budget is max_num_batched_tokens every step (the flag was given).
+        self.step_budget = step_budget
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -53,7 +56,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Builds one step's batch under the token budget and the sequence cap."""
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if self.step_budget is None else \
+            self.step_budget.next_budget(self.running, self.waiting,
+                                         lambda r: self._num_new_tokens(r, self.max_model_len))
         scheduled: list[tuple[Request, int]] = []
         budget, preempted = self._schedule_running(budget, scheduled)
         if not preempted:
@@ -66,7 +71,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0:  # async scheduling: the token in flight is its last
+                i += 1
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -84,7 +92,8 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
-            if waits_for_sibling(request) or not self._grammar_ready(request):
+            if waits_for_sibling(request) or request.num_output_placeholders or \
+                    not self._grammar_ready(request):
                 if not request.is_finished:
                     skipped.append(request)
                 continue
@@ -135,21 +144,30 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens a running request computes this step (AsyncScheduler counts those in
+        flight)."""
+        return min(request.num_tokens - request.num_computed_tokens, budget)
+
     def _freeze(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
         history = params.needs_penalties
+        pending = request.num_output_placeholders  # async scheduling: sampled, not yet known
+        tokens = request.all_token_ids[start:end]
+        if len(tokens) < num_new:  # the worker fills these in from the step in flight
+            tokens += [PLACEHOLDER_TOKEN_ID] * (num_new - len(tokens))
         banned: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
+        if request.num_output_tokens + pending < params.min_tokens:
             banned = tuple(params.stop_token_ids) + tuple(
                 () if params.ignore_eos else request.eos_token_ids)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]),
+            token_ids=tuple(tokens),
             start_pos=start,
-            block_ids=tuple(self.kv.get_block_ids(request.request_id)),
-            sample=end == request.num_tokens,
+            block_ids=self.kv.block_table(request.request_id),
+            sample=end == request.num_tokens + pending,
             sampling_params=params,
             prompt_token_ids=tuple(request.prompt_token_ids) if history else (),
             output_token_ids=tuple(request.output_token_ids) if history else (),
