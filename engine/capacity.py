@@ -163,8 +163,8 @@ def available_kv_cache_bytes(args: EngineArgs, device: torch.device, weight_byte
         available = args.kv_cache_memory_bytes
     elif device.type == "cuda":
         available = cuda_kv_cache_bytes(args, device, weight_bytes, peak_activation_bytes)
-    else:
-        available = cpu_kv_cache_bytes(read_mem_available_bytes())
+    else:  # the host's budget, shared by its tensor-parallel ranks (one RAM, N caches)
+        available = cpu_kv_cache_bytes(read_mem_available_bytes()) // args.tensor_parallel_size
     if available <= 0:
         steps = "\n  ".join(triage_steps(device, None))
         raise ValueError(
@@ -205,12 +205,14 @@ def plan_kv_cache(model_config: ModelConfig, args: EngineArgs, device: torch.dev
 
 
 def resolve_max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
-    """The per-step token budget: --max-num-batched-tokens, else 2048, raised to max_model_len
-    (up to 8192) so a long prompt needs fewer chunks. `serve` sizes its activation peak and
-    `plan` its activation reserve from this one value."""
+    """The per-step token budget: --max-num-batched-tokens, else the adaptive budget's ceiling
+    (engine/core/step_budget.py): 2048, raised to max_model_len (up to 8192) so a long prompt
+    needs fewer chunks when nothing decodes, and to max_num_seqs (vLLM's rule) so every running
+    request's decode fits in one step. `serve` sizes its activation peak and `plan` its
+    activation reserve from this one value."""
     if args.max_num_batched_tokens is not None:
         return args.max_num_batched_tokens
-    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, min(max_model_len, 8192))
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, min(max_model_len, 8192), args.max_num_seqs)
 
 
 def resolve_max_model_len(model_config: ModelConfig, args: EngineArgs) -> int:
@@ -244,10 +246,16 @@ def _device_label(device: torch.device) -> str:
     return "GPU" if device.type == "cuda" else "CPU"
 
 
-def capacity_log_lines(plan: KVCachePlan, device: torch.device, max_model_len: int) -> list[str]:
-    """vLLM's three capacity lines: available memory, KV cache size, maximum concurrency."""
+def capacity_log_lines(plan: KVCachePlan, device: torch.device, max_model_len: int,
+                       tensor_parallel_size: int = 1) -> list[str]:
+    """vLLM's three capacity lines: available memory, KV cache size, maximum concurrency. With
+    tensor parallelism `plan` is one rank's (its share of the KV heads): the memory is per rank,
+    while every rank holds all the tokens, as vLLM counts them."""
+    per_rank = "" if tensor_parallel_size == 1 else \
+        f" per rank (tensor parallel size {tensor_parallel_size}, " \
+        f"{format_gib(plan.available_bytes * tensor_parallel_size)} in all)"
     return [
-        f"Available KV cache memory: {format_gib(plan.available_bytes)}",
+        f"Available KV cache memory: {format_gib(plan.available_bytes)}{per_rank}",
         f"{_device_label(device)} KV cache size: {plan.num_tokens:,} tokens",
         f"Maximum concurrency for {max_model_len:,} tokens per request: "
         f"{plan.max_concurrency(max_model_len):.2f}x",

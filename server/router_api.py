@@ -100,7 +100,8 @@ async def server_info(request: web.Request) -> web.Response:
                              "enable_prefix_caching": info["enable_prefix_caching"]},
             "scheduler_config": {"max_num_seqs": info["max_num_seqs"],
                                  "max_num_batched_tokens": info["max_num_batched_tokens"]},
-            "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+            "parallel_config": {"tensor_parallel_size": info.get("tensor_parallel_size", 1),
+                                "pipeline_parallel_size": 1,
                                 "data_parallel_size": 1},
         },
     })

@@ -2,6 +2,8 @@
 
 First signal: /health turns 503, new requests get 503, requests in flight run to the end for
 up to --shutdown-timeout seconds, then the process exits 0. A second signal exits at once.
+An engine that dies (a tensor-parallel rank exited) turns /health 503 and stops the server
+the same way, with exit code 3.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from server.state import ENGINE, STATE
 logger = logging.getLogger("kvserve")
 
 EXIT_FORCED = 1
+EXIT_ENGINE_DEAD = 3  # the engine died (a tensor-parallel rank exited, the step loop crashed)
+ENGINE_WATCH_INTERVAL_S = 0.5
 
 
 def run_serve(config: ServerConfig, engine_args: EngineArgs) -> int:
@@ -56,12 +60,24 @@ async def serve(config: ServerConfig, engine_args: EngineArgs) -> int:
                        "anyone who can reach this port can use the model", config.host)
     stop = asyncio.Event()
     _install_signal_handlers(stop)
+    watcher = asyncio.get_running_loop().create_task(_watch_engine(app, stop))
     await stop.wait()
+    watcher.cancel()
     app[STATE].draining = True
     await _drain(app, config.shutdown_timeout)
+    dead = app[ENGINE].is_dead
     await runner.cleanup()
-    logger.info("kvserve stopped")
-    return 0
+    logger.info("kvserve stopped%s", " (the engine had died)" if dead else "")
+    return EXIT_ENGINE_DEAD if dead else 0
+
+
+async def _watch_engine(app: web.Application, stop: asyncio.Event) -> None:
+    """Stops the server once the engine is dead (/health already answers 503): a supervisor
+    sees the process exit non-zero and restarts it, as with vLLM."""
+    while not app[ENGINE].is_dead:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    logger.error("the engine is dead: stopping the server")
+    stop.set()
 
 
 def is_loopback(host: str) -> bool:
