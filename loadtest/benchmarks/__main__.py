@@ -37,6 +37,7 @@ REGISTRY = [
     ("quantization", "loadtest.benchmarks.quantization", None),
     ("structured_output", "loadtest.benchmarks.structured_output", None),
     ("gpu_check", "loadtest.benchmarks.gpu_check", None),
+    ("llamacpp", "loadtest.benchmarks.llamacpp_peer", None),
 ]
 Results = dict[str, dict[str, Any]]  # registry key -> result
 
