@@ -42,9 +42,11 @@ test-fast: setup
 # The benchmark suite into docs/benchmarks.md and docs/benchmarks.json: every benchmark, or
 # those of ONLY (`make bench ONLY="offline batch1"`; the other sections keep their figures).
 # The serving benchmark runs `transformers serve` from its own venv (.venv-bench, built on
-# first use) so its extras stay out of kvserve's.
+# first use) so its extras stay out of kvserve's. The llama.cpp peer (llamacpp) is fetched and
+# built once into build/peers/llamacpp (2 jobs, nice 19; rebuilt only when its flags change).
 bench: setup
 	$(if $(or $(filter serving,$(ONLY)),$(if $(ONLY),,all)),test -x .venv-bench/bin/transformers || $(PY) -m loadtest.benchmarks.serving --setup-peer)
+	$(if $(or $(filter llamacpp,$(ONLY)),$(if $(ONLY),,all)),$(PY) -m loadtest.benchmarks.llamacpp --setup-peer)
 	$(PY) -m loadtest.benchmarks $(if $(ONLY),--only $(ONLY))
 
 # The GPU check (loadtest/benchmarks/gpu_check.py) under the machine's own python3 and its CUDA

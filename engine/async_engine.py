@@ -1,16 +1,19 @@
 """The async front of the engine: one step-loop task on the event loop drives the LLMEngine.
 
-Each iteration schedules a batch (event-loop thread), awaits the worker thread running the
-model, and applies the result; the output processor pushes each request's delta into its
-stream. HTTP keeps being served while the worker computes. Aborts that arrive mid-step are
-applied right after the step, so a step never finishes into blocks that were already handed to
-someone else. This class is the server's `EngineClient`.
+Each iteration schedules a batch (event-loop thread) and hands it to the worker thread; with
+async scheduling (the default) it then schedules the next batch at once, so one step is always
+queued behind the one running, and only then awaits the oldest step and applies its result; the
+output processor pushes each request's delta into its stream. The engine's own work (and the
+consumers' streaming) thus runs while the model computes, and HTTP keeps being served. Aborts
+that arrive mid-step are applied right after a step returns. This class is the server's
+`EngineClient`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import time
 from collections import deque
@@ -38,12 +41,18 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
+        # The consumer's wait for the next item (a bare future: an asyncio.Event costs several
+        # times more, paid by every request every step).
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Queues one step's output (or the error that ends the stream)."""
         self._items.append(item)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -52,8 +61,8 @@ class RequestStream:
         while not self._items:
             if self.finished:
                 raise StopAsyncIteration
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
@@ -101,8 +110,14 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the step loop on the running event loop."""
+        """Starts the step loop on the running event loop.
+
+        First moves every object alive after startup (modules, weights' wrappers, tokenizer)
+        out of the garbage collector's reach, as vLLM does: otherwise each full collection
+        walks them all, a pause of a few hundred ms in the middle of streaming."""
         if self._task is None:
+            gc.collect()
+            gc.freeze()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="kvserve-step")
 
     async def stop(self) -> None:
@@ -125,8 +140,8 @@ class AsyncEngine:
 
     @property
     def is_dead(self) -> bool:
-        """Whether the step loop crashed."""
-        return self._dead is not None
+        """Whether the step loop crashed, or a tensor-parallel rank exited."""
+        return self._dead is not None or self.engine.dead_reason() is not None
 
     # ---- the client interface -------------------------------------------------------------
 
@@ -169,6 +184,7 @@ class AsyncEngine:
                 "cache_dtype": info["cache_dtype"],
                 "enable_prefix_caching": info["enable_prefix_caching"],
                 "max_num_seqs": engine.args.max_num_seqs,
+                "tensor_parallel_size": engine.args.tensor_parallel_size,
                 "max_num_batched_tokens": engine.max_num_batched_tokens,
                 "max_queue_len": self.max_queue_len}
 
@@ -187,8 +203,9 @@ class AsyncEngine:
                     request_id: str) -> RequestStream:
         """Validates and queues a request whose outputs are per-step deltas; raises
         InvalidRequestError, QueueFullError or EngineDeadError before anything is streamed."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine stopped after an internal error: {self._dead}")
+        if self.is_dead:
+            raise EngineDeadError("the engine stopped after an internal error: "
+                                  f"{self._dead or self.engine.dead_reason()}")
         if self.max_queue_len is not None and \
                 len(self.engine.scheduler.waiting) >= self.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests); "
@@ -231,7 +248,7 @@ class AsyncEngine:
     async def _run(self) -> None:
         try:
             while True:
-                if not self.engine.has_unfinished_requests():
+                if not self.engine.has_unfinished_requests() and not self.engine.in_flight:
                     self.stats_logger.idle()
                     self._wake.clear()
                     await self._wake.wait()
@@ -248,29 +265,34 @@ class AsyncEngine:
 
     async def _step(self) -> None:
         engine = self.engine
-        started = time.perf_counter()
-        batch = engine.schedule()
-        if not batch.requests:
-            if batch.finished_request_ids:  # the worker drops their generators and matchers
-                await asyncio.wrap_future(engine.worker.submit(batch))
-            await asyncio.sleep(0.001)  # nothing admissible yet (a sibling or grammar waits)
-            return
-        self.metrics.iteration_tokens.observe(batch.num_tokens)
-        self._step_in_flight = True
-        scheduled = time.perf_counter()
+        if len(engine.in_flight) < engine.pipeline_depth():
+            scheduled = engine.schedule_step()
+            if scheduled is not None:
+                self.metrics.iteration_tokens.observe(scheduled.batch.num_tokens)
+                self._step_in_flight = True
+                if len(engine.in_flight) < engine.pipeline_depth():
+                    return  # schedule the next step while this one runs
+            elif not engine.in_flight:
+                await asyncio.sleep(0.001)  # nothing admissible yet (a sibling or grammar waits)
+                return
+        step = engine.in_flight.popleft()
+        waited = time.perf_counter()
         try:
-            result, forward_s = await asyncio.wrap_future(engine.worker.submit(batch))
+            result, forward_s = await asyncio.wrap_future(step.future)
             returned = time.perf_counter()
-            engine.apply(batch, result)
+            engine.apply(step.batch, result)
         except Exception:
             logger.exception("a model step failed; its requests end with finish_reason=error")
             forward_s, returned = 0.0, time.perf_counter()
-            engine.fail(batch)
+            engine.fail(step.batch)
+            if engine.dead_reason() is not None:  # no step can run again: fail the rest, stop
+                raise EngineDeadError(str(engine.dead_reason())) from None
         finally:
-            self._step_in_flight = False
+            self._step_in_flight = bool(engine.in_flight)
         self.num_steps += 1
         pending, self._pending_aborts = self._pending_aborts, []
         for request_id in pending:
             engine.abort_request(request_id)
-        self.step_times.add(scheduled - started, forward_s, returned - scheduled - forward_s,
+        # Hand-off: the wait for the worker beyond its forward (none when it overlapped).
+        self.step_times.add(step.schedule_s, forward_s, max(0.0, returned - waited - forward_s),
                             time.perf_counter() - returned)

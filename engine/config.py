@@ -24,9 +24,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                  "fp16": "float16"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-# --quantization: weight-only methods applied at load (engine/quantization/); awq and gptq
-# name a checkpoint that is already 4-bit (and are picked up from its config.json anyway).
-QUANTIZATION_METHODS = ("none", "int8", "int4", "awq", "gptq")
+# --quantization: weight-only methods applied at load (engine/quantization/); awq, gptq and
+# gguf keep a checkpoint's own 4-bit codes. auto (the default, vLLM's None): the checkpoint's
+# own method, a GGUF file's 4-bit blocks in place where the CPU runs int4 fused, else none.
+QUANTIZATION_METHODS = ("auto", "none", "int8", "int4", "awq", "gptq", "gguf")
 # Group sizes torch's int4 CPU kernel takes (--quantization-group-size).
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # The torch element type of each fp8 --kv-cache-dtype; `fp8` is vLLM's alias for e4m3 (the
@@ -132,29 +133,36 @@ def _checkpoint_quantization(qc: dict[str, Any] | None) -> tuple[str, int] | Non
             int(qc.get("group_size", qc.get("q_group_size", 128))))
 
 
-def effective_quantization(requested: str, cfg: ModelConfig) -> str:
-    """The method a model loads with: a quantized checkpoint's own (awq, gptq), which an
-    explicit different --quantization contradicts; else `requested`."""
+def effective_quantization(requested: str, cfg: ModelConfig, source_kind: str = "hf",
+                           gguf_in_place: bool = False) -> str:
+    """The method a model loads with. An AWQ/GPTQ checkpoint's own, which an explicit different
+    --quantization contradicts; for `auto` on a GGUF file `gguf` when `gguf_in_place` (the
+    caller's judgement: int4 runs fused here), else `none`; otherwise `requested`."""
     found = cfg.checkpoint_quantization[0] if cfg.checkpoint_quantization else None
-    if found is None:
-        if requested in ("awq", "gptq"):
-            raise ValueError(f"--quantization {requested} needs a checkpoint quantized with "
-                             f"{requested} (its config.json names quant_method "
-                             f"{requested!r}); this model has no quantization_config")
-        return requested
-    if requested not in ("none", found):
-        raise ValueError(f"this checkpoint is already {found}-quantized (config.json's "
-                         f"quantization_config); --quantization {requested} cannot apply: omit "
-                         f"it or pass {found}")
-    return found
+    if found is not None:
+        if requested not in ("auto", "none", found):
+            raise ValueError(f"this checkpoint is already {found}-quantized (config.json's "
+                             f"quantization_config); --quantization {requested} cannot apply: "
+                             f"omit it or pass {found}")
+        return found
+    if requested in ("awq", "gptq"):
+        raise ValueError(f"--quantization {requested} needs a checkpoint quantized with "
+                         f"{requested} (its config.json names quant_method {requested!r}); this "
+                         "model has no quantization_config")
+    if requested == "gguf" and source_kind != "gguf":
+        raise ValueError("--quantization gguf keeps a GGUF file's 4-bit blocks; this model is "
+                         "not a GGUF file")
+    if requested == "auto":
+        return "gguf" if source_kind == "gguf" and gguf_in_place else "none"
+    return requested
 
 
 def _flag(default: Any, help: str, *, cli: bool = True, plan: bool = False,
-          choices: tuple[str, ...] | None = None) -> Any:
+          choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """One engine flag: its default and help, whether `serve`/`generate` (cli) and `plan` take
     it, and its choices. The field's name and type annotation give the flag's name and type."""
     return field(default=default, metadata={"help": help, "cli": cli, "plan": plan,
-                                            "choices": choices})
+                                            "choices": choices, "aliases": aliases})
 
 
 @dataclass
@@ -168,10 +176,11 @@ class EngineArgs:
     dtype: str = _flag("auto", "auto|float32|bfloat16|float16 (default: auto = bfloat16 on "
                        "CUDA and on CPUs with avx512_bf16 or amx_bf16, else float32)", plan=True)
     quantization: str = _flag(
-        "none", "weight-only quantization of the linear layers, done at load: none, int8 (per "
-        "output channel) or int4 (per group of --quantization-group-size inputs); an AWQ or "
-        "GPTQ checkpoint's 4-bit codes are used as they are (awq/gptq, found in its "
-        "config.json)", plan=True,
+        "auto", "weight-only quantization of the linear layers, done at load: none, int8 (per "
+        "output channel) or int4 (per group of --quantization-group-size inputs); awq, gptq "
+        "and gguf keep a checkpoint's own 4-bit codes. auto: an AWQ/GPTQ checkpoint's method, a "
+        "GGUF file's Q4 blocks in place (gguf) on CPUs that run int4 fused, else none",
+        plan=True,
         choices=QUANTIZATION_METHODS)
     quantization_group_size: int | None = _flag(
         None, "int4 group size: 32, 64, 128 or 256 input columns per scale (default: 32, which "
@@ -180,7 +189,9 @@ class EngineArgs:
                                       plan=True)
     max_num_seqs: int = _flag(256, "most requests running at once", plan=True)
     max_num_batched_tokens: int | None = _flag(
-        None, "token budget per step (default: 2048, or max-model-len up to 8192 when larger)",
+        None, "fixed token budget per step (default: adaptive: up to 2048, or max-model-len up "
+        "to 8192, at least max-num-seqs, while nothing decodes; beside decodes, a prefill chunk "
+        "sized from measured step cost to keep the step within 2.5x a decode-only step)",
         plan=True)
     block_size: int = _flag(16, "tokens per KV block", plan=True)
     gpu_memory_utilization: float = _flag(0.9, "share of GPU memory kvserve may use", plan=True)
@@ -192,12 +203,18 @@ class EngineArgs:
                                 plan=True, choices=KV_CACHE_DTYPES)
     seed: int = _flag(0, "random seed for unseeded sampling")
     device: str = _flag("auto", "auto|cpu|cuda", cli=False)
+    tensor_parallel_size: int = _flag(
+        1, "tensor-parallel ranks: the model's heads, MLP and vocab split over N processes "
+        "(gloo on CPU, NCCL on CUDA); N must divide the attention heads and KV heads",
+        plan=True, aliases=("-tp",))
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's choice, usually "
                                     "the cores)")
     attention_backend: str = _flag("auto", "attention kernels: auto = triton on CUDA, torch on "
                                    "CPU", choices=("auto", "triton", "torch"))
     enforce_eager: bool = _flag(False, "CUDA: run decode steps eagerly instead of replaying "
                                 "captured CUDA graphs")
+    async_scheduling: bool = _flag(True, "schedule the next step while the model runs this "
+                                   "one (steps of structured-output requests run one at a time)")
     # "dummy": random weights, for benchmarks of a model shape without its checkpoint
     load_format: str = _flag("auto", "auto|dummy", cli=False)
     generation_config: str = _flag(
@@ -231,8 +248,8 @@ class EngineArgs:
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         self.dtype = dtype
-        if self.quantization is None:  # vLLM's spelling of "no quantization"
-            self.quantization = "none"
+        if self.quantization is None:  # vLLM's spelling of "as the checkpoint says"
+            self.quantization = "auto"
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"unknown quantization {self.quantization!r}; use one of "
                              f"{', '.join(QUANTIZATION_METHODS)}")
@@ -263,6 +280,8 @@ class EngineArgs:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         self.override_generation_config = parse_override(self.override_generation_config)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got "
                              f"{self.attention_backend!r}")
@@ -291,16 +310,17 @@ def add_engine_flags(parser: argparse.ArgumentParser, command: str) -> None:
     hints = typing.get_type_hints(EngineArgs)
     for f in EngineArgs.flags(command):
         name = "--" + f.name.replace("_", "-")
+        names = (name, *f.metadata.get("aliases", ()))
         kind = hints[f.name]
         if kind is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default,
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])
             continue
         base = next(a for a in typing.get_args(kind) if a is not type(None)) \
             if typing.get_args(kind) else kind
         if typing.get_origin(base) is dict:  # a JSON object, given as text on the command line
             base = str
-        parser.add_argument(name, type=base, default=f.default, help=f.metadata["help"],
+        parser.add_argument(*names, type=base, default=f.default, help=f.metadata["help"],
                             choices=f.metadata["choices"])
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +25,14 @@ from engine.capacity import (
     resolve_max_num_batched_tokens,
 )
 from engine.config import EngineArgs
+from engine.core.async_scheduler import AsyncScheduler
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.parallel_sampling import ParentRequest
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, StepResult
+from engine.distributed.launcher import start_tensor_parallel
+from engine.distributed.parallel_state import rank_model_config
 from engine.errors import InvalidRequestError
 from engine.generation_config import (
     default_sampling_params,
@@ -44,6 +48,7 @@ from engine.model_loader.loader import (
 from engine.output_processor import OutputProcessor, OutputStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.step_profile import build_step_budget
 from engine.structured_output import StructuredOutputManager, constraint_key
 from engine.worker.model_runner import ModelRunner
 from engine.worker.worker import Worker
@@ -71,6 +76,16 @@ class EngineStats:
             if self.prefix_cache_queries else 0.0
 
 
+@dataclass(frozen=True)
+class InFlightStep:
+    """A step handed to the worker and not yet applied: its batch, the worker's future of
+    (result, forward seconds), and the seconds scheduling it took."""
+
+    batch: SchedulerOutput
+    future: concurrent.futures.Future[tuple[StepResult, float]]
+    schedule_s: float
+
+
 class LLMEngine:
     """Owns the input processor, scheduler, output processor and the worker."""
 
@@ -86,15 +101,31 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, args.tokenizer)
         self.max_model_len = resolve_max_model_len(self.model_config, args)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(args, self.max_model_len)
-        runner = ModelRunner(self.source, args, device, args.resolved_dtype(device),
-                             self.max_model_len)
-        self.kv_cache_plan = self._init_kv_cache(runner)
+        # --tensor-parallel-size N: ranks 1..N-1 are spawned here; this process is rank 0.
+        self.tp = start_tensor_parallel(args, self.model_config, self.max_model_len, device)
+        try:
+            runner = ModelRunner(self.source, args, device, args.resolved_dtype(device),
+                                 self.max_model_len, None if self.tp is None else self.tp.groups)
+            if self.tp is not None:
+                self.tp.attach(runner.model)
+            self.kv_cache_plan = self._init_kv_cache(runner)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
         self.runner = runner  # the worker thread's; read it here only between steps
         self.worker = Worker(runner)
         self.kv = KVCacheManager(self.kv_cache_plan.num_blocks, args.block_size,
                                  args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
-                                   self.max_model_len)
+        # Without --max-num-batched-tokens the budget adapts to measured step costs.
+        self.step_budget = build_step_budget(args, runner, self.kv_cache_plan.num_blocks,
+                                             self.max_model_len, self.max_num_batched_tokens)
+        scheduler_cls = AsyncScheduler if args.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
+                                       self.max_model_len, step_budget=self.step_budget)
+        # Steps on the worker not yet applied, oldest first: two at most (pipeline_depth).
+        self.in_flight: deque[InFlightStep] = deque()
+        self._unsent_finished: frozenset[str] = frozenset()  # for the next step's batch
         self.input_processor = InputProcessor(
             self.tokenizer, self.model_config.vocab_size, self.max_model_len, args.block_size,
             self.kv_cache_plan.num_blocks, self._eos_token_ids())
@@ -115,9 +146,10 @@ class LLMEngine:
     def _init_kv_cache(self, runner: ModelRunner) -> KVCachePlan:
         peak = runner.profile_peak_activation_bytes(self.max_num_batched_tokens)
         peak += runner.profile_cuda_graph_bytes(self.args.max_num_seqs)
-        plan = plan_kv_cache(self.model_config, self.args, runner.device, runner.dtype,
-                             runner.weight_bytes(), peak, self.max_model_len)
-        for line in capacity_log_lines(plan, runner.device, self.max_model_len):
+        tp = self.args.tensor_parallel_size  # the plan is per rank: its share of the KV heads
+        plan = plan_kv_cache(rank_model_config(self.model_config, tp), self.args, runner.device,
+                             runner.dtype, runner.weight_bytes(), peak, self.max_model_len)
+        for line in capacity_log_lines(plan, runner.device, self.max_model_len, tp):
             logger.info(line)
         check_max_model_len_fits(plan, self.max_model_len, runner.device)
         runner.allocate_kv_cache(plan.num_blocks)
@@ -199,6 +231,30 @@ class LLMEngine:
             failed, time.monotonic()) if failed else []
         return batch
 
+    def pipeline_depth(self) -> int:
+        """Steps that may be in flight at once: 2 with async scheduling (the next one is
+        scheduled while one runs), 1 without it or while a structured-output request is live."""
+        scheduler = self.scheduler
+        return 2 if isinstance(scheduler, AsyncScheduler) and scheduler.can_run_ahead() else 1
+
+    def schedule_step(self) -> InFlightStep | None:
+        """Schedules a step and hands it to the worker (it joins `in_flight`); None when there
+        was nothing to compute."""
+        started = time.perf_counter()
+        batch = self.schedule()
+        if self._unsent_finished:
+            batch = SchedulerOutput(batch.requests,
+                                    batch.finished_request_ids | self._unsent_finished)
+        if not batch.requests:
+            # The worker drops finished requests' generators and matchers with the next real
+            # step: a step of its own would only be one more thing to run (and to fail).
+            self._unsent_finished = batch.finished_request_ids
+            return None
+        self._unsent_finished = frozenset()
+        step = InFlightStep(batch, self.worker.submit(batch), time.perf_counter() - started)
+        self.in_flight.append(step)
+        return step
+
     def wait_for_grammars(self, timeout: float) -> None:
         """Blocks until a waiting request's grammar is compiled, or `timeout` seconds."""
         pending = [r.grammar for r in self.scheduler.waiting_for_grammar()
@@ -209,6 +265,8 @@ class LLMEngine:
 
     def apply(self, batch: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         """Applies a step's result: tokens and stop checks, then the outputs."""
+        if self.step_budget is not None:
+            self.step_budget.observe(batch, result.forward_seconds)
         touched = self.scheduler.update_from_output(batch, result.sampled, result.logprobs,
                                                     result.grammar_terminated,
                                                     result.grammar_rejected)
@@ -216,23 +274,43 @@ class LLMEngine:
 
     def fail(self, batch: SchedulerOutput) -> list[RequestOutput]:
         """Ends every request of a step that raised, with finish_reason `error`."""
-        failed: list[Request] = self.scheduler.fail_requests(r.request_id for r in batch.requests)
+        scheduler = self.scheduler
+        failed: list[Request] = scheduler.fail_batch(batch) \
+            if isinstance(scheduler, AsyncScheduler) else \
+            scheduler.fail_requests(r.request_id for r in batch.requests)
         return self.output_processor.finish_without_token(failed, time.monotonic())
 
     def step(self) -> list[RequestOutput]:
-        """One synchronous step: schedule, run on the worker thread, apply."""
-        batch = self.schedule()
-        failed, self._failed_outputs = self._failed_outputs, []
-        if not batch.requests and not batch.finished_request_ids:
+        """One step's outputs: schedule, run on the worker thread, apply. With async scheduling
+        the next step is scheduled and handed over before this one's result is awaited."""
+        failed: list[RequestOutput] = []
+        while len(self.in_flight) < self.pipeline_depth():
+            step = self.schedule_step()
+            failed, self._failed_outputs = failed + self._failed_outputs, []
+            if step is None:
+                break
+        if not self.in_flight:
             self.wait_for_grammars(0.05)  # nothing admissible: a grammar may be compiling
             return failed
-        result, self.last_step_seconds = self.worker.submit(batch).result()
-        return failed + self.apply(batch, result)
+        step = self.in_flight.popleft()
+        try:
+            result, self.last_step_seconds = step.future.result()
+        except Exception:
+            if isinstance(self.scheduler, AsyncScheduler):  # its counters already ran ahead:
+                self.fail(step.batch)  # end its requests (error) rather than leave them astray
+            raise
+        return failed + self.apply(step.batch, result)
 
     def shutdown(self) -> None:
-        """Stops the worker and grammar-compile threads."""
+        """Stops the worker and grammar-compile threads (and the tensor-parallel ranks)."""
         self.worker.shutdown()
         self.structured_output.shutdown()
+        if self.tp is not None:
+            self.tp.shutdown()  # reaps ranks 1..N-1
+
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot run another step (a tensor-parallel rank exited), or None."""
+        return None if self.tp is None else self.tp.dead_rank()
 
     def model_name(self) -> str:
         """The model's own name (folder or file stem)."""

@@ -14,6 +14,7 @@ shown as max concurrency for a few max_model_len values.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -31,7 +32,18 @@ from engine.capacity import (
     resolve_max_num_batched_tokens,
     triage_steps,
 )
-from engine.config import EngineArgs, ModelConfig, add_engine_flags, engine_args_from_flags
+from engine.config import (
+    EngineArgs,
+    ModelConfig,
+    add_engine_flags,
+    effective_quantization,
+    engine_args_from_flags,
+)
+from engine.distributed.parallel_state import (
+    check_tensor_parallel_size,
+    rank_model_config,
+    vocab_per_rank,
+)
 from engine.quantization import quantized_weight_bytes
 
 CANDIDATE_MODEL_LENS = (2048, 4096, 8192, 16384, 32768)
@@ -104,6 +116,13 @@ class PlanReport:
     alt_kv_plan: KVCachePlan
     rows: tuple[ConcurrencyRow, ...]
     recommendation: Recommendation | None
+    tensor_parallel_size: int = 1
+    rank_config: ModelConfig | None = None  # one rank's shapes; None: the whole model
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """The shapes one GPU's KV cache holds (its share of the KV heads)."""
+        return self.rank_config or self.model_config
 
     @property
     def budget_bytes(self) -> int:
@@ -113,7 +132,7 @@ class PlanReport:
     @property
     def kv_element_bytes(self) -> int:
         """Bytes per K or V element in the cache."""
-        return self.kv_plan.bytes_per_token // self.model_config.kv_bytes_per_token(1)
+        return self.kv_plan.bytes_per_token // self.kv_config.kv_bytes_per_token(1)
 
 
 def load_model_config(model: str | None) -> tuple[ModelConfig, str]:
@@ -192,20 +211,30 @@ def build_plan(args: EngineArgs, memory_bytes: int,
         load_model_config(args.model)
     user_len = resolve_max_model_len(cfg, args) if args.max_model_len is not None else None
     dtype = args.resolved_dtype(PLAN_DEVICE)
-    weight_bytes = quantized_weight_bytes(cfg, args.quantization, dtype,
+    tp = args.tensor_parallel_size  # every figure below is one GPU's (one rank's shard)
+    check_tensor_parallel_size(cfg, tp)
+    rank = rank_model_config(cfg, tp)
+    weight_bytes = quantized_weight_bytes(rank_weight_config(cfg, tp), args.quantization, dtype,
                                           args.quantization_group_size)
     # The same step budget `serve` would use for these flags (and so the same activation peak).
     step_tokens = resolve_max_num_batched_tokens(args, user_len or cfg.max_position_embeddings)
-    activation = estimate_activation_reserve(cfg, dtype.itemsize, step_tokens, args.max_num_seqs)
+    activation = estimate_activation_reserve(rank, dtype.itemsize, step_tokens, args.max_num_seqs)
     available = (int(memory_bytes * args.gpu_memory_utilization) - weight_bytes
                  - activation.total_bytes)
-    plan = make_kv_cache_plan(cfg, args.kv_cache_dtype, dtype, args.block_size, available)
+    plan = make_kv_cache_plan(rank, args.kv_cache_dtype, dtype, args.block_size, available)
     alt_dtype = "fp8_e4m3" if args.kv_cache_dtype == "auto" else "auto"
-    alt_plan = make_kv_cache_plan(cfg, alt_dtype, dtype, args.block_size, available)
+    alt_plan = make_kv_cache_plan(rank, alt_dtype, dtype, args.block_size, available)
     rows = concurrency_rows(plan, candidate_model_lens(cfg.max_position_embeddings, user_len),
                             user_len)
     return PlanReport(label, cfg, memory_bytes, args, dtype, weight_bytes, activation, plan,
-                      alt_dtype, alt_plan, rows, recommend(rows, args.max_num_seqs))
+                      alt_dtype, alt_plan, rows, recommend(rows, args.max_num_seqs), tp,
+                      rank if tp > 1 else None)
+
+
+def rank_weight_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The shapes of one rank's weights: its heads, MLP slice and vocab slice."""
+    return dataclasses.replace(rank_model_config(cfg, tensor_parallel_size),
+                               vocab_size=vocab_per_rank(cfg.vocab_size, tensor_parallel_size))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -219,20 +248,28 @@ def _model_lines(r: PlanReport) -> list[str]:
     return [f"Model: {r.model} ({c.architecture})",
             f"  {c.num_hidden_layers} layers, {c.num_attention_heads} heads / "
             f"{c.num_key_value_heads} KV heads, head_dim {c.head_dim}, hidden {c.hidden_size:,}, "
-            f"vocab {c.vocab_size:,}, max_position_embeddings {c.max_position_embeddings:,}"]
+            f"vocab {c.vocab_size:,}, max_position_embeddings {c.max_position_embeddings:,}"] + ([
+            f"  --tensor-parallel-size {r.tensor_parallel_size}: each GPU holds "
+            f"{r.kv_config.num_attention_heads} heads / {r.kv_config.num_key_value_heads} KV "
+            f"heads, 1/{r.tensor_parallel_size} of the MLP and vocab; figures below are per GPU"]
+            if r.rank_config is not None else [])
 
 
 def _memory_lines(r: PlanReport) -> list[str]:
     """Where the memory goes: budget, weights, activation reserve, KV cache."""
     a = r.activation
+    params = rank_weight_config(r.model_config, r.tensor_parallel_size).num_params()
     return [
-        f"Memory: {format_gib(r.memory_bytes)} x --gpu-memory-utilization "
+        f"Memory{' per GPU' if r.rank_config else ''}: {format_gib(r.memory_bytes)} x "
+        f"--gpu-memory-utilization "
         f"{r.args.gpu_memory_utilization} = {format_gib(r.budget_bytes)}",
         f"  weights             {format_gib(r.weight_bytes):>11}  = "
-        f"{r.model_config.num_params():,} params x {r.dtype.itemsize} B ({_dtype_name(r.dtype)})"
-        if r.args.quantization == "none" else
-        f"  weights             {format_gib(r.weight_bytes):>11}  = {r.model_config.num_params():,}"
-        f" params, --quantization {r.args.quantization} (codes and scales; the rest in "
+        f"{params:,} params x {r.dtype.itemsize} B ({_dtype_name(r.dtype)})"
+        if effective_quantization(r.args.quantization, r.model_config) == "none" else
+        f"  weights             {format_gib(r.weight_bytes):>11}  = {params:,}"
+        f" params, --quantization "
+        f"{effective_quantization(r.args.quantization, r.model_config)} (codes and scales; "
+        f"the rest in "
         f"{_dtype_name(r.dtype)})",
         f"  activation reserve  {format_gib(a.total_bytes):>11}  = "
         f"{CUDA_OVERHEAD_BYTES // 1024**2} MiB (CUDA context, cuBLAS) + {a.profile_tokens:,} "
@@ -246,7 +283,7 @@ def _memory_lines(r: PlanReport) -> list[str]:
 
 def _kv_lines(r: PlanReport) -> list[str]:
     """Bytes per token with the seed's formula, tokens, and the fp8 / 16-bit comparison."""
-    c, p, alt = r.model_config, r.kv_plan, r.alt_kv_plan
+    c, p, alt = r.kv_config, r.kv_plan, r.alt_kv_plan
     ratio = alt.num_tokens / p.num_tokens if p.num_tokens else 0.0
     return [
         f"KV cache: --kv-cache-dtype {r.args.kv_cache_dtype}, block size {p.block_size}",
@@ -284,7 +321,7 @@ def _recommendation_lines(r: PlanReport) -> list[str]:
         return lines + [f"Nothing fits: not even one {r.rows[0].max_model_len:,}-token request "
                         "fits in the KV cache. Fix in this order:"] + [
             f"  {step}" for step in triage_steps(PLAN_DEVICE, fitting or None)]
-    log = capacity_log_lines(r.kv_plan, PLAN_DEVICE, rec.max_model_len)
+    log = capacity_log_lines(r.kv_plan, PLAN_DEVICE, rec.max_model_len, r.tensor_parallel_size)
     return lines + ["Expected startup log of kvserve serve with these flags:"] + [
         f"  {line}" for line in log] + [
         f"Recommended flags: --max-model-len {rec.max_model_len} --gpu-memory-utilization "

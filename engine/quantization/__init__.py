@@ -38,7 +38,7 @@ logger = logging.getLogger("kvserve")
 # The LM head (and, when tied, the embedding that shares its weight) under each method: it is
 # the largest single matrix of a small model (21% of SmolLM2's weights), so it is quantized too,
 # but never below int8 (see README, "Weight-only quantization", for the measurements).
-LM_HEAD_METHOD = {"int8": "int8", "int4": "int8"}
+LM_HEAD_METHOD = {"int8": "int8", "int4": "int8", "gguf": "int8"}
 # Relative error the startup probe allows between the fused kernel and the dequantized
 # reference, by compute dtype (bf16 activations round to 8 bits of mantissa).
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -164,7 +164,7 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
         layer = QuantizedLinear(module, linear_method, tensors)
         fused += layer.fused
         _replace(model, name, layer)
-    head_method = "none" if checkpoint is not None else LM_HEAD_METHOD[method]
+    head_method = LM_HEAD_METHOD.get(method, "none")  # awq/gptq: as the checkpoint stores it
     _quantize_lm_head(model, head_method, plan, group_size, model_dtype)
     return QuantizationReport(method, len(parts) if checkpoint is not None else len(targets),
                               fused, plan.compute_dtype, head_method, reason)
@@ -252,14 +252,18 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
     """The weight bytes a model of `cfg` takes after loading with `--quantization method`, from
     the config alone; equal to `resident_weight_bytes` of the loaded model. `compute_dtype` is
     the apply plan's (scales and biases are kept in it; default: `dtype`). An AWQ or GPTQ
-    checkpoint counts as int4 at its own group size with its LM head in float."""
-    method = effective_quantization(method, cfg)
+    checkpoint counts as int4 at its own group size with its LM head in float; `gguf` as int4
+    in groups of 32 with an int8 head (every decoder matrix in Q4_0/Q4_1 blocks). `auto`
+    counts as `none` for anything but a quantized checkpoint (what a GPU plan loads)."""
+    method = effective_quantization(method, cfg, "gguf" if method == "gguf" else "hf")
     if method == "none":
         return cfg.num_params() * dtype.itemsize
     head_method = LM_HEAD_METHOD.get(method, "none")
     if method in ("awq", "gptq"):
         assert cfg.checkpoint_quantization is not None
         method, group_size = "int4", cfg.checkpoint_quantization[1]
+    elif method == "gguf":
+        method, group_size = "int4", 32  # Q4_0/Q4_1 blocks
     b = dtype.itemsize
     sb = (compute_dtype or dtype).itemsize
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size

@@ -43,7 +43,7 @@ SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 class CheckpointQuantization:
     """What config.json's quantization_config says."""
 
-    method: str  # "awq" or "gptq"
+    method: str  # "awq", "gptq", or "gguf" (a GGUF file's Q4_0/Q4_1 blocks)
     group_size: int  # -1: one group over the whole input
     zero_offset: int  # added to the stored zero points (GPTQ v1 stores z - 1)
 
@@ -92,19 +92,27 @@ def unpack_rows(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) 
 
 @dataclass
 class LayerCodes:
-    """One checkpoint layer: codes [out, in], scales and integer zeros [out, groups]."""
+    """One quantized layer: codes [out, in] in 0..15, and per group [out, groups] a scale and
+    tinygemm's offset: w = (q - 8) x scale + offset. A checkpoint's integer zero point z gives
+    offset (8 - z) x scale; GGUF's Q4_1 (w = d q + m) gives 8 d + m, Q4_0 (d (q - 8)) gives 0."""
 
     codes: torch.Tensor
     scales: torch.Tensor
-    zeros: torch.Tensor
+    offsets: torch.Tensor
     contiguous_groups: bool = True
+
+    @classmethod
+    def from_zero_points(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                         contiguous_groups: bool = True) -> LayerCodes:
+        """Codes with integer zero points z: w = (q - z) x scale."""
+        return cls(codes, scales, (8.0 - zeros) * scales, contiguous_groups)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] the codes stand for."""
         out_features, in_features = self.codes.shape
         groups = self.scales.shape[1]
-        w = (self.codes.reshape(out_features, groups, -1).float() - self.zeros[..., None]) * \
-            self.scales[..., None]
+        w = (self.codes.reshape(out_features, groups, -1).float() - 8.0) * \
+            self.scales[..., None] + self.offsets[..., None]
         return w.reshape(out_features, in_features)
 
 
@@ -114,7 +122,8 @@ def awq_layer(tensors: dict[str, torch.Tensor], group: int) -> LayerCodes:
     zeros = unpack_rows(tensors["qzeros"].to(torch.int32), AWQ_ORDER).t().float()
     scales = tensors["scales"].float().t()  # [out, groups]
     _check_groups(codes.shape[1], scales.shape[1], group)
-    return LayerCodes(codes.contiguous(), scales.contiguous(), zeros.contiguous())
+    return LayerCodes.from_zero_points(codes.contiguous(), scales.contiguous(),
+                                       zeros.contiguous())
 
 
 def gptq_layer(tensors: dict[str, torch.Tensor], group: int, zero_offset: int) -> LayerCodes:
@@ -130,10 +139,10 @@ def gptq_layer(tensors: dict[str, torch.Tensor], group: int, zero_offset: int) -
     if g_idx is not None and not torch.equal(g_idx.long(),
                                              torch.arange(in_features) // size):
         rows = g_idx.long()  # act-order: each input row's own group, no contiguous blocks
-        return LayerCodes(codes, scales[:, rows].contiguous(), zeros[:, rows].contiguous(),
-                          contiguous_groups=False)
+        return LayerCodes.from_zero_points(codes, scales[:, rows].contiguous(),
+                                           zeros[:, rows].contiguous(), contiguous_groups=False)
     _check_groups(in_features, groups, group)
-    return LayerCodes(codes, scales.contiguous(), zeros.contiguous())
+    return LayerCodes.from_zero_points(codes, scales.contiguous(), zeros.contiguous())
 
 
 def _check_groups(in_features: int, groups: int, group: int) -> None:
@@ -182,7 +191,6 @@ class CheckpointCodes:
         layers = [self.layers[p] for p in parts]
         if not all(layer.contiguous_groups for layer in layers):
             return None
-        codes = torch.cat([layer.codes for layer in layers])
-        scales = torch.cat([layer.scales for layer in layers])
-        zeros = torch.cat([layer.zeros for layer in layers])
-        return method.weights_from_codes(codes, scales, (8.0 - zeros) * scales)
+        return method.weights_from_codes(torch.cat([layer.codes for layer in layers]),
+                                         torch.cat([layer.scales for layer in layers]),
+                                         torch.cat([layer.offsets for layer in layers]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,21 +13,33 @@ from engine.capacity import format_gib
 from engine.config import FP8_KV_CACHE_DTYPES, EngineArgs, ModelConfig, effective_quantization
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput, StepResult
 from engine.cpu_features import auto_cpu_dtype
+from engine.distributed.parallel_state import kv_heads_per_rank
+from engine.model_loader.gguf.codes import GGUF_GROUP
+from engine.model_loader.gguf.weights import iter_gguf_weights
 from engine.model_loader.loader import ModelSource, iter_weights
 from engine.models import build_model
 from engine.models.cpu_linear import pack_linears
 from engine.models.llama import LlamaForCausalLM
-from engine.quantization import cast_float_parameters, quantize_model, resident_weight_bytes
+from engine.quantization import (
+    apply_plan,
+    cast_float_parameters,
+    quantize_model,
+    resident_weight_bytes,
+)
 from engine.quantization.checkpoint import (
     CHECKPOINT_METHODS,
     CheckpointCodes,
+    CheckpointQuantization,
     read_checkpoint_quantization,
 )
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
-from engine.worker.input_batch import decode_batch, prepare_inputs
+from engine.worker.input_batch import decode_batch, prepare_inputs, with_history
 from engine.worker.sampler import Sampler
 from kernels.selector import get_attention_backend
+
+if TYPE_CHECKING:
+    from engine.distributed.parallel_state import ParallelGroups
 
 logger = logging.getLogger("kvserve")
 
@@ -35,8 +48,10 @@ class ModelRunner:
     """Loads the model and runs steps; call everything from one worker thread."""
 
     def __init__(self, source: ModelSource, args: EngineArgs, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> None:
+                 dtype: torch.dtype, max_model_len: int,
+                 parallel: ParallelGroups | None = None) -> None:
         self.config: ModelConfig = source.config
+        self.parallel = parallel  # tensor-parallel groups: this runner holds one rank's shard
         self.args = args
         self.device = device
         self.dtype = dtype
@@ -49,6 +64,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graph_runner: DecodeGraphRunner | None = None
         self.max_model_len = max_model_len
+        # The last step's sampled tokens: async scheduling's placeholders in the next step.
+        self.last_sampled: dict[str, int] = {}
 
     def _load_model(self, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
         start = time.perf_counter()
@@ -56,33 +73,43 @@ class ModelRunner:
             dtype, why = auto_cpu_dtype()
             logger.info("--dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."),
                         why)
-        quantization = effective_quantization(self.args.quantization, self.config)
+        # A GGUF file's Q4 blocks stay in place by default where int4 runs fused (one rank).
+        in_place = (apply_plan("int4", self.dtype, self.device).mode == "fused"
+                    and getattr(self.args, "tensor_parallel_size", 1) == 1)
+        quantization = effective_quantization(self.args.quantization, self.config,
+                                              source.kind, in_place)
         checkpoint = None
-        if quantization in CHECKPOINT_METHODS:  # an AWQ/GPTQ checkpoint: its codes, as stored
-            quant = read_checkpoint_quantization(source.path)
+        if quantization in CHECKPOINT_METHODS or quantization == "gguf":
+            quant = (CheckpointQuantization("gguf", GGUF_GROUP, 0) if quantization == "gguf"
+                     else read_checkpoint_quantization(source.path))
             if self.args.load_format == "dummy" or quant is None:
                 quantization = "int4"  # random weights: int4 at load has the same layout
-            else:
+            else:  # the checkpoint's codes, as stored
                 checkpoint = CheckpointCodes(quant)
         # Quantized methods start from float32 weights (not ones already rounded to 16 bits).
         load_dtype = self.dtype if quantization == "none" else torch.float32
         with torch.device("meta"):
-            model = build_model(self.config, self.backend, max_model_len, self.device)
+            model = build_model(self.config, self.backend, max_model_len, self.device,
+                                self.parallel)
         model = model.to(dtype=load_dtype).to_empty(device=self.device)
         if self.config.tie_word_embeddings:  # to_empty unties shared parameters
             model.lm_head.weight = model.embed_tokens.weight
         if self.args.load_format == "dummy":
             _init_dummy_weights(model)
         else:
-            weights = iter_weights(source, load_dtype)
-            model.load_weights(checkpoint.weights(weights) if checkpoint else weights)
+            if checkpoint is not None and quantization == "gguf":
+                weights = iter_gguf_weights(source.path, load_dtype, checkpoint.layers)
+            else:
+                weights = iter_weights(source, load_dtype)
+                weights = checkpoint.weights(weights) if checkpoint else weights
+            model.load_weights(weights)
         how = "unquantized"
         if quantization != "none":
             report = quantize_model(model, quantization, self.dtype, self.device,
                                     self.args.quantization_group_size, checkpoint=checkpoint)
             cast_float_parameters(model, self.dtype)
             how = (f"--quantization {quantization}: {report.fused_layers} of {report.layers} "
-                   f"linear layers on torch's fused {quantization} kernel, "
+                   f"linear layers on torch's fused {'int8' if quantization == 'int8' else 'int4'} kernel, "
                    f"{report.layers - report.fused_layers} dequantized per call, activations "
                    f"in {str(report.compute_dtype).removeprefix('torch.')}; LM head "
                    f"{report.lm_head}")
@@ -108,6 +135,7 @@ class ModelRunner:
         """Decode graphs need CUDA, a backend without host syncs (Triton) and no
         --enforce-eager."""
         return (self.device.type == "cuda" and not self.args.enforce_eager
+                and self.parallel is None  # a graph cannot replay rank 0's step broadcasts
                 and bool(getattr(self.backend, "supports_cuda_graphs", False)))
 
     def _graph_runner(self, sizes: list[int]) -> DecodeGraphRunner:
@@ -137,7 +165,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One K and one V tensor per layer: [num_blocks, block_size, kv_heads, head_dim]."""
         cfg = self.config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        kv_heads = cfg.num_key_value_heads if self.parallel is None else \
+            kv_heads_per_rank(cfg, self.parallel.size)  # this rank's share
+        shape = (num_blocks, self.block_size, kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device),
                            torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
@@ -168,6 +198,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         self.execute(batch)
+        self.last_sampled = {}
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
         self.kv_caches = []
@@ -179,21 +210,22 @@ class ModelRunner:
         """Runs the model over the batch and samples where requests reached their end."""
         self.sampler.forget(batch.finished_request_ids)
         if not batch.requests:
-            return StepResult()
-        decode = decode_batch(batch, self.block_size, self.graph_runner)
+            return StepResult()  # keeps last_sampled: the next step may fill placeholders
+        previous, self.last_sampled = self.last_sampled, {}
+        decode = decode_batch(batch, self.block_size, self.graph_runner, previous)
         if decode is not None:  # one graph replay instead of hundreds of launches
             assert self.graph_runner is not None
             hidden = self.graph_runner.run(decode, self.kv_caches)
             rows = list(batch.requests)
         else:
             inputs = prepare_inputs(batch, self.block_size, self.config.sliding_window,
-                                    self.device)
+                                    self.device, previous)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if not inputs.sampling_rows:
                 return StepResult()
             hidden, rows = hidden[inputs.logits_indices], inputs.sampling_rows
         logits = self.model.compute_logits(hidden)
-        tokens, logprobs = self.sampler.sample(logits, rows)
+        tokens, logprobs = self.sampler.sample(logits, with_history(rows, previous))
         grammar = self.sampler.last_grammar_result
         result = StepResult(grammar_terminated=grammar.terminated,
                             grammar_rejected=grammar.rejected)
@@ -201,6 +233,7 @@ class ModelRunner:
             result.sampled[row.request_id] = token
             if lp is not None:
                 result.logprobs[row.request_id] = lp
+        self.last_sampled = result.sampled
         return result
 
 @torch.no_grad()

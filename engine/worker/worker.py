@@ -25,7 +25,8 @@ class Worker:
     def _execute(self, batch: SchedulerOutput) -> tuple[StepResult, float]:
         started = time.perf_counter()
         result = self.runner.execute(batch)
-        return result, time.perf_counter() - started
+        result.forward_seconds = time.perf_counter() - started
+        return result, result.forward_seconds
 
     def shutdown(self) -> None:
         """Waits for the step in flight, then stops the thread."""

@@ -295,8 +295,8 @@ def test_plan_command_line_takes_quantization(tiny_llama_dir: Path) -> None:
 def test_bad_quantization_is_refused_naming_the_choices(tiny_llama_dir: Path,
                                                         capsys: pytest.CaptureFixture[str]
                                                         ) -> None:
-    with pytest.raises(ValueError, match="unknown quantization 'fp4'; use one of none, int8, "
-                                         "int4"):
+    with pytest.raises(ValueError, match="unknown quantization 'fp4'; use one of auto, none, "
+                                         "int8, int4, awq, gptq, gguf"):
         LLM(str(tiny_llama_dir), quantization="fp4")
     with pytest.raises(ValueError, match="quantization_group_size must be one of 32, 64, 128, "
                                          "256, got 48"):
@@ -307,7 +307,8 @@ def test_bad_quantization_is_refused_naming_the_choices(tiny_llama_dir: Path,
         parser.parse_args(["--quantization", "fp4"])
     err = capsys.readouterr().err
     assert "invalid choice: 'fp4'" in err and all(m in err for m in ("none", "int8", "int4"))
-    assert EngineArgs.from_kwargs(None, quantization=None).quantization == "none"
+    # vLLM's None: as the checkpoint says (AWQ/GPTQ codes, a GGUF file's blocks), else none.
+    assert EngineArgs.from_kwargs(None, quantization=None).quantization == "auto"
 
 
 @pytest.mark.slow

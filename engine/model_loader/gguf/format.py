@@ -182,13 +182,18 @@ def _tensor_info(name: str, dims: tuple[int, ...], kind: GGMLQuantizationType, o
     return GGUFTensorInfo(name, kind, tuple(reversed(dims)), data_start + offset, num_bytes)
 
 
-def read_tensor(f: io.BufferedReader, tensor: GGUFTensorInfo) -> torch.Tensor:
-    """One tensor dequantized to float32 in numpy order ([out, in]), in memory it owns."""
+def read_raw(f: io.BufferedReader, tensor: GGUFTensorInfo) -> torch.Tensor:
+    """One tensor's bytes as stored (uint8 [num_bytes]), in memory it owns."""
     raw = torch.empty(tensor.num_bytes, dtype=torch.uint8)  # [num_bytes]
     f.seek(tensor.offset)
     if f.readinto(raw.numpy().data) != tensor.num_bytes:
         raise ValueError(f"GGUF tensor {tensor.name} is truncated")
-    return dequantize_raw(raw, tensor.tensor_type, tensor.shape)
+    return raw
+
+
+def read_tensor(f: io.BufferedReader, tensor: GGUFTensorInfo) -> torch.Tensor:
+    """One tensor dequantized to float32 in numpy order ([out, in]), in memory it owns."""
+    return dequantize_raw(read_raw(f, tensor), tensor.tensor_type, tensor.shape)
 
 
 def dequantize_raw(raw: torch.Tensor, kind: GGMLQuantizationType,

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.model_loader.gguf.codes import q4_layer_codes
 from engine.model_loader.gguf.format import (
     GGUFArray,
     GGUFFile,
@@ -29,9 +30,11 @@ from engine.model_loader.gguf.format import (
     dequantize_raw,
     is_gguf_file,
     read_gguf_header,
+    read_raw,
     read_tensor,
 )
 from engine.model_loader.gguf.tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
+from engine.quantization.checkpoint import LayerCodes
 
 # The checkpoint API in one place: the format and tokenizer names are re-exported from here.
 __all__ = [
@@ -91,11 +94,14 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return _config_from_header(read_gguf_header(path))
 
 
-def iter_gguf_weights(path: str | Path,
-                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32,
+                      codes: dict[str, LayerCodes] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF parameter name, tensor [out_features, in_features]) dequantized to `dtype`.
 
-    `lm_head.weight` appears only when the file has an untied `output.weight`.
+    `lm_head.weight` appears only when the file has an untied `output.weight`. With `codes`,
+    each Q4_0/Q4_1 matrix's 4-bit codes also go there under its HF module name (rows in HF
+    order, as the weights), for `--quantization gguf`.
     """
     gguf = read_gguf_header(path)
     config = _config_from_header(gguf)
@@ -105,9 +111,18 @@ def iter_gguf_weights(path: str | Path,
             if tensor.name == ROPE_FREQS_TENSOR:
                 continue  # consumed by read_gguf_config as rope_scaling, not a parameter
             name = hf_tensor_name(tensor.name)
-            weight = read_tensor(f, tensor)
+            raw = read_raw(f, tensor)
+            weight = dequantize_raw(raw, tensor.tensor_type, tensor.shape)
+            layer = q4_layer_codes(raw, tensor.tensor_type, tensor.shape) \
+                if codes is not None and name != "lm_head.weight" else None
             if gguf_arch == "llama":
                 weight = _undo_rope_permutation(name, weight, config)
+                if layer is not None:
+                    layer = LayerCodes(_undo_rope_permutation(name, layer.codes, config),
+                                       _undo_rope_permutation(name, layer.scales, config),
+                                       _undo_rope_permutation(name, layer.offsets, config))
+            if layer is not None and codes is not None:
+                codes[name.removesuffix(".weight")] = layer
             yield name, weight.to(dtype)
 
 

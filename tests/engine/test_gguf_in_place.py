@@ -1,0 +1,70 @@
+"""`--quantization gguf`, the default for GGUF files where int4 runs fused: the embedded SmolLM2
+file's Q4_1 blocks become the int4 layers' codes, checked against the `gguf` package's own
+dequantization (an independent reader), never rounded onto a new grid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from engine import LLM, SamplingParams
+from engine.model_loader.gguf.weights import default_model_path
+from engine.models.cpu_linear import PackedLinear
+from engine.quantization import QuantizedLinear
+
+
+@pytest.fixture(scope="module")
+def in_place() -> LLM:
+    # bfloat16: torch's fused int4 CPU kernel takes it on any CPU, so `auto` keeps the blocks.
+    return LLM(None, dtype="bfloat16", max_model_len=256, num_threads=2)
+
+
+def _file_tensor(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The file's float values of `name` by the gguf package, and its Q4_1 d and m per block."""
+    reader = GGUFReader(str(default_model_path()))
+    tensor = next(t for t in reader.tensors if t.name == name)
+    assert tensor.tensor_type.name == "Q4_1"
+    values = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float()
+    blocks = torch.from_numpy(tensor.data.copy()).reshape(-1, 20)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()[:, 0]
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float()[:, 0]
+    return values, d, m
+
+
+@pytest.mark.slow
+def test_q4_blocks_become_the_layers_codes(in_place: LLM) -> None:
+    layer = in_place.engine.runner.model.get_submodule("layers.3.mlp.down_proj")
+    assert isinstance(layer, QuantizedLinear) and layer.fused
+    values, d, m = _file_tensor("blk.3.ffn_down.weight")
+    out_features, in_features = values.shape
+    # Each weight's 4-bit code, from the gguf package's floats: q = (w - m) / d.
+    blocks = values.reshape(-1, 32)
+    want = ((blocks - m[:, None]) / d.clamp(min=1e-12)[:, None]).round().clamp(0, 15)
+    codes = layer.method.unpack_codes(layer.tensors())
+    assert torch.equal(codes, want.reshape(out_features, in_features).to(torch.int32))
+    # Scales and offsets are kept in the kernel's bfloat16: values within that rounding.
+    torch.testing.assert_close(layer.dequantized_weight().float(), values, rtol=0,
+                               atol=float(d.abs().max()) / 8)
+
+
+@pytest.mark.slow
+def test_default_keeps_the_file_in_place_and_none_dequantizes(in_place: LLM) -> None:
+    runner = in_place.engine.runner
+    assert isinstance(runner.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    assert runner.weight_bytes() < 100 * 2**20  # 90 MiB against 311 MiB dequantized
+    dequantized = LLM(None, dtype="bfloat16", max_model_len=256, quantization="none")
+    assert isinstance(dequantized.engine.runner.model.layers[0].self_attn.qkv_proj,
+                      PackedLinear)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = ["The capital of France is"]
+    assert in_place.generate(prompt, params, use_tqdm=False)[0].outputs[0].text == \
+        dequantized.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_gguf_needs_a_gguf_file(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file's 4-bit"):
+        LLM(str(tiny_llama_dir), quantization="gguf")
