@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvserve` console script."""
+    argv = sys.argv[1:] if argv is None else argv
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S")
@@ -78,9 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "plan":
             return run_plan(ns)
         if ns.command == "serve":
+            config = server_config(ns)
+            engine_args = engine_args_from_flags(ns, "serve")  # flags checked before any start
+            if config.data_parallel_size > 1:
+                from server.data_parallel import run_data_parallel
+
+                return run_data_parallel(config, config.data_parallel_size, argv,
+                                         engine_args.num_threads)
             from server.serve import run_serve
 
-            return run_serve(server_config(ns), engine_args_from_flags(ns, "serve"))
+            return run_serve(config, engine_args)
         return run_generate(ns)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

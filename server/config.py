@@ -39,6 +39,7 @@ class ServerConfig:
     # Routers in front of replicas (README, "Replicas behind a router").
     vllm_metric_names: bool = False  # also expose /metrics under vLLM's `vllm:` names
     get_load_format: str = "sglang"  # the shape of GET /get_load, one of GET_LOAD_FORMATS
+    data_parallel_size: int = 1  # engine replicas behind this server (server/data_parallel.py)
 
     def validate(self) -> None:
         """Raises ValueError naming the bad setting."""
@@ -54,6 +55,8 @@ class ServerConfig:
         if not self.request_body_timeout_s > 0:
             raise ValueError("--request-body-timeout must be > 0, got "
                              f"{self.request_body_timeout_s}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.get_load_format not in GET_LOAD_FORMATS:
             raise ValueError(f"--get-load-format must be one of {', '.join(GET_LOAD_FORMATS)}, "
                              f"got {self.get_load_format!r}")
@@ -101,6 +104,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "num_waiting_reqs, num_tokens}] (SGLang's router), vllm-router = "
                              "{\"load\": N} (vLLM's router power_of_two policy) "
                              "(default: sglang)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine replicas, each a child process with --num-threads / N "
+                             "threads, behind this server, which routes each request to the "
+                             "least loaded one with prompt-prefix affinity (default: 1)")
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
@@ -112,4 +119,5 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
                         tool_call_parser=ns.tool_call_parser,
                         vllm_metric_names=ns.vllm_metric_names,
-                        get_load_format=ns.get_load_format)
+                        get_load_format=ns.get_load_format,
+                        data_parallel_size=ns.data_parallel_size)
