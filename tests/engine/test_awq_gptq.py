@@ -16,6 +16,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs, ModelConfig
 from engine.planner import build_plan
 from engine.quantization import Int4Method, QuantizedLinear, quantized_weight_bytes
+from tests.support.greedy import logprob_agreement, tokens_and_logprobs
 from tests.support.quantized_checkpoints import write_quantized
 from tests.support.tiny_models import build_tiny_model, random_prompts
 
@@ -25,31 +26,8 @@ MAX_TOKENS = 8
 
 def _greedy(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    result = []
-    for out in outs:
-        c = out.outputs[0]
-        assert c.logprobs is not None
-        result.append((list(c.token_ids), [{t: lp.logprob for t, lp in pos.items()}
-                                           for pos in c.logprobs]))
-    return result
-
-
-def _close(ref: list[tuple[list[int], list[dict[int, float]]]],
-           got: list[tuple[list[int], list[dict[int, float]]]]) -> tuple[float, float]:
-    """check_logprobs_close: equal until a first divergence where each side's token is in the
-    other's top 5; returns the mean |logprob difference| of the common prefix and the share of
-    tokens agreed."""
-    diffs, agreed = [], 0
-    for (ref_ids, ref_lps), (ids, lps) in zip(ref, got, strict=True):
-        n = 0
-        while n < len(ref_ids) and ids[n] == ref_ids[n]:
-            diffs.append(abs(ref_lps[n][ref_ids[n]] - lps[n][ids[n]]))
-            n += 1
-        agreed += n
-        if n < len(ref_ids):
-            assert ids[n] in ref_lps[n] and ref_ids[n] in lps[n], (n, ids, ref_ids)
-    return sum(diffs) / max(len(diffs), 1), agreed / (len(ref) * MAX_TOKENS)
+    return tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                            use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +72,8 @@ def test_checkpoint_codes_load_exactly_and_decode_like_their_float_weights(
     ref_llm = LLM(str(ref_dir), dtype=dtype, num_threads=1, max_model_len=256)
     assert qkv.fused == (dtype == "bfloat16")
     assert not isinstance(model.lm_head, QuantizedLinear)  # as the checkpoint stores it
-    mad, agreed = _close(_greedy(ref_llm), _greedy(llm))
-    assert mad <= 0.05 and agreed >= 0.5, (mad, agreed)
+    agreed, mad, rule = logprob_agreement(_greedy(ref_llm), _greedy(llm))
+    assert rule and mad <= 0.05 and agreed >= 0.5, (mad, agreed)
 
 
 def test_act_order_is_requantized_with_a_warning(
@@ -108,8 +86,8 @@ def test_act_order_is_requantized_with_a_warning(
     assert isinstance(llm.engine.runner.model.get_submodule("layers.0.mlp.down_proj"),
                       QuantizedLinear)
     ref_llm = LLM(str(ref_dir), dtype="float32", num_threads=1, max_model_len=256)
-    mad, _ = _close(_greedy(ref_llm), _greedy(llm))
-    assert mad <= 0.1, mad
+    _, mad, rule = logprob_agreement(_greedy(ref_llm), _greedy(llm))
+    assert rule and mad <= 0.1, mad
 
 
 def test_flags_that_contradict_the_checkpoint_are_refused(

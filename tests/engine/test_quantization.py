@@ -17,7 +17,6 @@ import torch
 import engine.quantization as quant
 from engine import LLM, SamplingParams, cpu_features
 from engine.config import EngineArgs, ModelConfig
-from engine.outputs import RequestOutput
 from engine.planner import add_plan_arguments, build_plan, format_plan
 from engine.quantization import (
     ApplyPlan,
@@ -27,6 +26,7 @@ from engine.quantization import (
     apply_plan,
     quantized_weight_bytes,
 )
+from tests.support.greedy import logprob_agreement, tokens_and_logprobs
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12], [300, 301, 2, 77, 45, 9], [60, 61, 62, 63, 64, 65, 66],
@@ -114,40 +114,8 @@ def test_apply_plan_by_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _greedy(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
-    return _tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+    return tokens_and_logprobs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                                              use_tqdm=False))
-
-
-def _tokens_and_logprobs(outs: list[RequestOutput]
-                         ) -> list[tuple[list[int], list[dict[int, float]]]]:
-    """Each output's token ids and, per position, {token id: logprob}."""
-    result = []
-    for out in outs:
-        c = out.outputs[0]
-        assert c.logprobs is not None
-        result.append((list(c.token_ids),
-                       [{t: lp.logprob for t, lp in pos.items()} for pos in c.logprobs]))
-    return result
-
-
-def _compare(ref: list[tuple[list[int], list[dict[int, float]]]],
-             got: list[tuple[list[int], list[dict[int, float]]]]
-             ) -> tuple[float, float, bool]:
-    """Prefix agreement, mean |logprob difference| of the chosen token over the common prefix,
-    and whether every first divergence keeps each side's token in the other's top 5."""
-    agreed = total = 0
-    diffs: list[float] = []
-    rule = True
-    for (ref_ids, ref_lps), (ids, lps) in zip(ref, got, strict=True):
-        n = 0
-        while n < len(ref_ids) and ids[n] == ref_ids[n]:
-            diffs.append(abs(ref_lps[n][ref_ids[n]] - lps[n][ids[n]]))
-            n += 1
-        agreed += n
-        total += len(ref_ids)
-        if n < len(ref_ids):
-            rule = rule and ids[n] in ref_lps[n] and ref_ids[n] in lps[n]
-    return agreed / total, sum(diffs) / max(len(diffs), 1), rule
 
 
 def _teacher_forced_drift(llm: LLM, ref: list[tuple[list[int], list[dict[int, float]]]]
@@ -193,7 +161,7 @@ def test_greedy_agreement_and_logprobs_close_to_float(
         method: str, dtype: str, min_agree: float, max_forced_mad: float) -> None:
     llm = LLM(str(tiny_llama_dir), dtype=dtype, quantization=method, num_threads=1,
               max_model_len=256)
-    agree, mad, rule = _compare(float_reference, _greedy(llm))
+    agree, mad, rule = logprob_agreement(float_reference, _greedy(llm))
     forced_mad, in_top = _teacher_forced_drift(llm, float_reference)
     print(f"{method} {dtype}: agreement {agree:.3f}, MAD {mad:.4f}, forced MAD "
           f"{forced_mad:.4f}, in top-20 {in_top:.3f}")
@@ -245,7 +213,7 @@ def test_a_missing_or_wrong_kernel_falls_back_to_dequantize(
                for w in warnings), warnings
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and not any(m.fused for m in layers)
-    agree, mad, _ = _compare(fused, _greedy(llm))  # same codes, other rounding of bf16 sums
+    agree, mad, _ = logprob_agreement(fused, _greedy(llm))  # same codes, other rounding of bf16 sums
     assert agree >= 0.5 and mad <= 0.05
 
 
@@ -342,9 +310,9 @@ def test_smollm2_quality(method: str, min_agree: float, max_mad: float) -> None:
 
     def run(**kwargs: object) -> list[tuple[list[int], list[dict[int, float]]]]:
         llm = LLM(None, num_threads=2, max_model_len=256, **kwargs)  # type: ignore[arg-type]
-        return _tokens_and_logprobs(llm.chat(messages, params, use_tqdm=False))
+        return tokens_and_logprobs(llm.chat(messages, params, use_tqdm=False))
 
-    agree, mad, rule = _compare(run(dtype="float32"), run(dtype="bfloat16", quantization=method))
+    agree, mad, rule = logprob_agreement(run(dtype="float32"), run(dtype="bfloat16", quantization=method))
     assert agree >= min_agree and mad <= max_mad and rule, (agree, mad, rule)
 
 

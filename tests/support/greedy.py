@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine import LLM, SamplingParams
+from engine.outputs import RequestOutput
 
 # ---- kvserve's side -----------------------------------------------------------------------------
 
@@ -23,6 +24,38 @@ def generated_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams
     """Generates from token-id prompts in one batch; returns each first choice's token ids."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def tokens_and_logprobs(outs: list[RequestOutput]
+                         ) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Each output's token ids and, per position, {token id: logprob}."""
+    result = []
+    for out in outs:
+        c = out.outputs[0]
+        assert c.logprobs is not None
+        result.append((list(c.token_ids),
+                       [{t: lp.logprob for t, lp in pos.items()} for pos in c.logprobs]))
+    return result
+
+
+def logprob_agreement(ref: list[tuple[list[int], list[dict[int, float]]]],
+             got: list[tuple[list[int], list[dict[int, float]]]]
+             ) -> tuple[float, float, bool]:
+    """Prefix agreement, mean |logprob difference| of the chosen token over the common prefix,
+    and whether every first divergence keeps each side's token in the other's top 5."""
+    agreed = total = 0
+    diffs: list[float] = []
+    rule = True
+    for (ref_ids, ref_lps), (ids, lps) in zip(ref, got, strict=True):
+        n = 0
+        while n < len(ref_ids) and ids[n] == ref_ids[n]:
+            diffs.append(abs(ref_lps[n][ref_ids[n]] - lps[n][ids[n]]))
+            n += 1
+        agreed += n
+        total += len(ref_ids)
+        if n < len(ref_ids):
+            rule = rule and ids[n] in ref_lps[n] and ref_ids[n] in lps[n]
+    return agreed / total, sum(diffs) / max(len(diffs), 1), rule
 
 
 # ---- transformers' side -------------------------------------------------------------------------
