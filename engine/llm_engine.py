@@ -103,23 +103,24 @@ class LLMEngine:
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(args, self.max_model_len)
         # --tensor-parallel-size N: ranks 1..N-1 are spawned here; this process is rank 0.
         self.tp = start_tensor_parallel(args, self.model_config, self.max_model_len, device)
+        # The model's thread first: loading and profiling run on it as the steps will (see
+        # engine/worker/worker.py on why one thread must do all of the torch work).
+        self.worker = Worker(args.num_threads)
         try:
-            runner = ModelRunner(self.source, args, device, args.resolved_dtype(device),
-                                 self.max_model_len, None if self.tp is None else self.tp.groups)
-            if self.tp is not None:
-                self.tp.attach(runner.model)
-            self.kv_cache_plan = self._init_kv_cache(runner)
+            runner = self.worker.call(self._build_runner, device)
+            # Without --max-num-batched-tokens the budget adapts to measured step costs.
+            self.step_budget = self.worker.call(
+                build_step_budget, args, runner, self.kv_cache_plan.num_blocks,
+                self.max_model_len, self.max_num_batched_tokens)
         except BaseException:
             if self.tp is not None:
                 self.tp.shutdown()
+            self.worker.shutdown()
             raise
         self.runner = runner  # the worker thread's; read it here only between steps
-        self.worker = Worker(runner)
+        self.worker.attach(runner)
         self.kv = KVCacheManager(self.kv_cache_plan.num_blocks, args.block_size,
                                  args.enable_prefix_caching)
-        # Without --max-num-batched-tokens the budget adapts to measured step costs.
-        self.step_budget = build_step_budget(args, runner, self.kv_cache_plan.num_blocks,
-                                             self.max_model_len, self.max_num_batched_tokens)
         scheduler_cls = AsyncScheduler if args.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
                                        self.max_model_len, step_budget=self.step_budget)
@@ -142,6 +143,16 @@ class LLMEngine:
         self._failed_outputs: list[RequestOutput] = []  # the last schedule()'s, for step()
         self._next_id = 0
         self.last_step_seconds = 0.0  # the model's time in the last step() (benchmarks)
+
+    def _build_runner(self, device: torch.device) -> ModelRunner:
+        """Loads the model and sizes and allocates the KV cache (on the worker thread)."""
+        args = self.args
+        runner = ModelRunner(self.source, args, device, args.resolved_dtype(device),
+                             self.max_model_len, None if self.tp is None else self.tp.groups)
+        if self.tp is not None:
+            self.tp.attach(runner.model)
+        self.kv_cache_plan = self._init_kv_cache(runner)
+        return runner
 
     def _init_kv_cache(self, runner: ModelRunner) -> KVCachePlan:
         peak = runner.profile_peak_activation_bytes(self.max_num_batched_tokens)

@@ -4,6 +4,7 @@ batch into sampled tokens. It never touches scheduler state."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ class ModelRunner:
                  dtype: torch.dtype, max_model_len: int,
                  parallel: ParallelGroups | None = None) -> None:
         self.config: ModelConfig = source.config
+        self.thread_id = threading.get_ident()  # the worker thread's (engine/worker/worker.py)
         self.parallel = parallel  # tensor-parallel groups: this runner holds one rank's shard
         self.args = args
         self.device = device

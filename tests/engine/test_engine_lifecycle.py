@@ -51,3 +51,22 @@ def test_finished_requests_keep_their_prefix_for_the_next_one(llm: LLM) -> None:
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 56  # 7 full blocks of 8; the last token is recomputed
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_model_is_built_and_stepped_on_the_worker_thread(llm: LLM) -> None:
+    """All torch work runs on one thread (engine/worker/worker.py: a second OpenMP team halves
+    the speed of every parallel op on a machine without spare cores)."""
+    import threading
+
+    engine = llm.engine
+    stepped_on: list[int] = []
+    execute = engine.runner.execute
+
+    def spy(batch):  # type: ignore[no-untyped-def]
+        stepped_on.append(threading.get_ident())
+        return execute(batch)
+
+    engine.runner.execute = spy  # type: ignore[method-assign]
+    llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert engine.runner.thread_id == engine.worker.thread_id != threading.get_ident()
+    assert stepped_on and set(stepped_on) == {engine.worker.thread_id}
