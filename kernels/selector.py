@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_ops
+from kernels.cpu_attention import CpuAttentionBackend
 from kernels.metadata import AttentionBackend
 from kernels.torch_attention import TorchAttentionBackend
 
@@ -36,14 +38,17 @@ def check_triton_support(block_size: int, kv_cache_dtype: torch.dtype | None,
 
 def get_attention_backend(name: str, device: torch.device, block_size: int = 16,
                           kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """`auto` is Triton on CUDA (torch there too if triton is missing) and torch elsewhere;
-    `triton` and `torch` force one. Triton is imported only when chosen, so CPU installs
-    without it work. The Triton choice is checked against the block size, the KV element type
-    and the GPU before it is made."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    """`auto` is Triton on CUDA (torch there too if triton is missing) and kvserve's C++ ops on
+    CPU (the torch twins where they cannot be built); `cpu`, `triton` and `torch` force one.
+    Triton is imported only when chosen, so CPU installs without it work. The Triton choice is
+    checked against the block size, the KV element type and the GPU before it is made."""
+    if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu" or (name == "auto" and device.type != "cuda"):
+        return _cpu_backend(name, device)
     if name not in ("auto", "triton"):
-        raise ValueError(f"unknown attention backend {name!r}; choose auto, triton or torch")
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, cpu, triton or "
+                         "torch")
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     check_triton_support(block_size, kv_cache_dtype, capability)
     try:
@@ -53,3 +58,16 @@ def get_attention_backend(name: str, device: torch.device, block_size: int = 16,
             return TorchAttentionBackend()
         raise ValueError(f"attention backend 'triton' needs the triton package: {exc}") from exc
     return TritonAttentionBackend(device)
+
+
+def _cpu_backend(name: str, device: torch.device) -> AttentionBackend:
+    if device.type != "cpu":
+        raise ValueError(f"attention backend 'cpu' runs on CPU tensors; this engine is on "
+                         f"{device.type}: use auto, triton or torch")
+    ops = cpu_ops.load()
+    if ops is not None:
+        return CpuAttentionBackend(ops)
+    if name == "cpu":
+        raise ValueError("attention backend 'cpu' needs kvserve's C++ CPU ops, which could not "
+                         "be built here (see the WARNING above); use --attention-backend torch")
+    return TorchAttentionBackend()

@@ -66,7 +66,7 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if plan.decode_rows.numel():
         out[plan.decode_rows] = _decode(query[plan.decode_rows], k_cache, v_cache, plan, scale)
     for start, end, slots, mask in plan.prefills:
-        out[start:end] = _prefill(query[start:end], k_cache, v_cache, slots, mask, scale)
+        out[start:end] = prefill_chunk(query[start:end], k_cache, v_cache, slots, mask, scale)
     return out
 
 
@@ -95,8 +95,8 @@ def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Ten
     return rows.view(num_seqs, num_blocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
 
-def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def prefill_chunk(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slots: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """One prefill chunk attending causally over its cached prefix and itself."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     keys = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
@@ -114,7 +114,7 @@ def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _build_plan(meta: AttentionMetadata, device: torch.device) -> TorchPlan:
     starts = meta.query_start_loc.tolist()
     decode_seqs = [i for i, n in enumerate(meta.query_lens_list) if n == 1]
-    prefills = [_prefill_entry(meta, i, starts[i], device)
+    prefills = [prefill_entry(meta, i, starts[i], device)
                 for i, n in enumerate(meta.query_lens_list) if n > 1]
     rows = torch.tensor([starts[i] for i in decode_seqs], dtype=torch.long, device=device)
     if not decode_seqs:
@@ -131,7 +131,7 @@ def _build_plan(meta: AttentionMetadata, device: torch.device) -> TorchPlan:
     return TorchPlan(rows, tables, visible[:, None, None, :], prefills)
 
 
-def _prefill_entry(meta: AttentionMetadata, seq: int, start: int, device: torch.device
+def prefill_entry(meta: AttentionMetadata, seq: int, start: int, device: torch.device
                    ) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
     q_len, ctx = meta.query_lens_list[seq], meta.seq_lens_list[seq]
     num_blocks = -(-ctx // meta.block_size)

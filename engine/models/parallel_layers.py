@@ -84,6 +84,7 @@ class TensorParallelLlama(LlamaForCausalLM):
             assert isinstance(layer, nn.Module)
             layer.self_attn = RowParallelAttention(shard, backend, groups)
             layer.mlp = RowParallelMLP(shard, groups)
+            layer.mlp.ops = layer.ops  # kvserve's CPU ops where the backend has them
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
         self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
         if cfg.tie_word_embeddings:

@@ -15,9 +15,12 @@ import torch
 pytest.importorskip("triton")
 
 from engine import LLM, SamplingParams  # noqa: E402
+from kernels import cpu_ops  # noqa: E402
 from kernels import torch_attention as torch_ops  # noqa: E402
+from kernels.cpu_attention import CpuAttentionBackend  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.selector import get_attention_backend  # noqa: E402
+from tests.support import paged_batches  # noqa: E402
 
 
 def import_kernels() -> ModuleType:
@@ -48,34 +51,16 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 def make_meta(query_lens: list[int], context_lens: list[int], num_blocks: int,
               window: int | None = None, block_size: int = BLOCK_SIZE) -> AttentionMetadata:
-    """A batch whose sequences own random distinct physical blocks; slots for the new tokens."""
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    blocks_needed = [-(-n // block_size) for n in seq_lens]
-    free = torch.randperm(num_blocks).tolist()
-    tables = []
-    for n in blocks_needed:
-        tables.append(free[:n] + [0] * (max(blocks_needed) - n))
-        free = free[n:]
-    block_tables = torch.tensor(tables, dtype=torch.int32)  # [num_seqs, max_blocks]
-    slots = [tables[i][p // block_size] * block_size + p % block_size
-             for i, (c, s) in enumerate(zip(context_lens, seq_lens, strict=True))
-             for p in range(c, s)]
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEVICE),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=block_tables.to(DEVICE), query_lens_list=query_lens,
-        seq_lens_list=seq_lens, block_size=block_size, sliding_window=window)
+    """A random paged batch on DEVICE (tests/support/paged_batches.py)."""
+    return paged_batches.make_meta(query_lens, context_lens, num_blocks, window, block_size,
+                                   DEVICE)
 
 
 def random_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """[num_blocks, block_size, kv_heads, head_dim] of random values, stored as value / scale."""
-    values = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
-    return torch_ops.quantize_kv(values, scale, dtype)
+    """A random cache on DEVICE, stored as value / scale."""
+    return paged_batches.random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                                      scale, DEVICE)
 
 
 def nan_like(x: torch.Tensor) -> torch.Tensor:
@@ -238,13 +223,13 @@ def test_reshape_and_cache_matches_torch(cache_dtype: torch.dtype) -> None:
 
 def test_backend_selection() -> None:
     cpu = torch.device("cpu")
-    assert isinstance(get_attention_backend("auto", cpu),
-                      torch_ops.TorchAttentionBackend)
+    expected = torch_ops.TorchAttentionBackend if cpu_ops.load() is None else CpuAttentionBackend
+    assert isinstance(get_attention_backend("auto", cpu), expected)
     assert isinstance(get_attention_backend("torch", cpu),
                       torch_ops.TorchAttentionBackend)
     assert isinstance(get_attention_backend("triton", DEVICE),
                       triton_ops.TritonAttentionBackend)
-    with pytest.raises(ValueError, match="auto, triton or torch"):
+    with pytest.raises(ValueError, match="auto, cpu, triton or torch"):
         get_attention_backend("flash", cpu)
 
 

@@ -1,0 +1,118 @@
+"""A decoder layer's decode rows as one C++ op on CPU (kernels/cpu/decoder_layer.cpp).
+
+At batch 1 on a small model the eager layer's ~25 torch calls and ~10 module calls cost as much
+as its matmuls (SmolLM2-135M: ~4 ms of Python per token beside ~5 ms of matmuls). `FusedLayer`
+describes the layer's weights once and runs the same kernels and the same torch matmuls from
+C++ in one call. It serves batches whose every row decodes (the other batches, tensor-parallel
+layers and weight formats it does not know keep the Python forward), so outputs match the eager
+layer's to the last rounding: the test suite holds them to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from engine.models.cpu_linear import PackedLinear
+from engine.quantization.methods import Int4Method, Int8Method, QuantizedLinear
+from kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.models.llama import DecoderLayer
+
+# Linear kinds as decoder_layer.cpp numbers them.
+DENSE, PACKED, INT4, INT8 = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One linear layer as the C++ op reads it."""
+
+    kind: int
+    param: int  # the int4 group size, else 0
+    tensors: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    max_rows: int | None  # above this many rows the Python layer takes another kernel
+
+
+def linear_spec(module: nn.Module, dtype: torch.dtype) -> LinearSpec | None:
+    """How `module` computes for activations of `dtype`, or None where the C++ layer cannot
+    reproduce its forward exactly (a dequantizing layer, another compute dtype)."""
+    if type(module) is nn.Linear:
+        return LinearSpec(DENSE, 0, (module.weight, None, module.bias), None) \
+            if module.weight.dtype == dtype else None
+    if isinstance(module, PackedLinear):
+        return LinearSpec(PACKED, 0, (module.packed_weight, None, module.bias), None) \
+            if module.packed_weight.dtype == dtype else None
+    if not isinstance(module, QuantizedLinear) or not module.fused:
+        return None
+    method = module.method
+    if method.plan.compute_dtype != dtype:
+        return None
+    tensors = module.tensors()
+    if isinstance(method, Int4Method) and "layout_kernel" in tensors:
+        group = module.in_features // tensors["scale_zeros"].shape[0]
+        return LinearSpec(INT4, group, (tensors["qweight"], tensors["scale_zeros"], module.bias),
+                          method.max_fused_rows)
+    if isinstance(method, Int8Method):
+        return LinearSpec(INT8, 0, (tensors["qweight"], tensors["scales"], module.bias),
+                          method.max_fused_rows)
+    return None
+
+
+class FusedLayer:
+    """One DecoderLayer's weights, described for `ops.decoder_layer_`."""
+
+    def __init__(self, layer: DecoderLayer, ops: Any, specs: list[LinearSpec]) -> None:
+        attn = layer.self_attn
+        self.ops = ops
+        self.attn = attn
+        self.backend = attn.backend  # the op runs this backend's kernels: none other
+        self.norm1 = layer.input_layernorm.weight
+        self.norm2 = layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.eps
+        self.kinds = [s.kind for s in specs]
+        self.params = [s.param for s in specs]
+        self.linears = [t for s in specs for t in s.tensors]
+        limits = [s.max_rows for s in specs if s.max_rows is not None]
+        self.max_rows = min(limits) if limits else None
+        self.heads = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
+
+    def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this batch is one the op computes: every row a decode, few enough rows."""
+        rows = x.shape[0]
+        return (meta.num_seqs == rows and (self.max_rows is None or rows <= self.max_rows)
+                and self.attn.backend is self.backend)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                 ) -> torch.Tensor:
+        attn = self.attn
+        self.ops.decoder_layer_(
+            x, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables,
+            meta.seq_lens, self.norm1, self.norm2, self.eps, self.kinds, self.params,
+            self.linears, self.heads, attn.scale, meta.sliding_window or 0, attn.k_scale,
+            attn.v_scale)
+        return x
+
+
+def fused_layer(layer: DecoderLayer) -> FusedLayer | None:
+    """The C++ form of `layer`, or None where it has none (no CPU ops, tensor-parallel
+    layers, a weight format the op does not run, norms in another dtype)."""
+    from engine.models.llama import MLP, Attention
+
+    ops = layer.ops
+    attn, mlp = layer.self_attn, layer.mlp
+    if ops is None or type(attn) is not Attention or type(mlp) is not MLP:
+        return None
+    dtype = layer.input_layernorm.weight.dtype
+    if layer.post_attention_layernorm.weight.dtype != dtype or dtype not in (
+            torch.float32, torch.bfloat16, torch.float16):
+        return None
+    specs = [linear_spec(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                              mlp.down_proj)]
+    if any(s is None for s in specs):
+        return None
+    return FusedLayer(layer, ops, [s for s in specs if s is not None])

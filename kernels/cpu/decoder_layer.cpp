@@ -1,0 +1,98 @@
+// One Llama decoder layer for a batch of decode rows, as a single op: the model's Python
+// forward costs ~25 torch calls and ~10 module calls per layer, which at batch 1 on a small
+// model took as long as the matmuls. The same kernels and the same torch matmuls run here,
+// called from C++. engine/models/llama.py describes each linear layer as (kind, param, up to
+// three tensors):
+//
+//   kind 0  dense weight [out, in] (+ bias)                 at::linear
+//   kind 1  oneDNN-packed weight (+ bias)                   mkldnn::_linear_pointwise
+//   kind 2  int4 codes in torch's CPU pack, scale/zeros     aten::_weight_int4pack_mm_for_cpu
+//           (param: the group size) (+ bias)
+//   kind 3  int8 codes, per-channel scales (+ bias)         aten::_weight_int8pack_mm
+//
+// and falls back to its Python forward for anything else (prefill rows, tensor parallel).
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include "ops.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int64_t kSlots = 3;  // tensors per linear in `linears`
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(weight);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor linear(const at::Tensor& x, int64_t index, at::IntArrayRef kinds,
+                  at::IntArrayRef params, const c10::List<std::optional<at::Tensor>>& linears) {
+  const std::optional<at::Tensor> a = linears.get(index * kSlots);
+  const std::optional<at::Tensor> b = linears.get(index * kSlots + 1);
+  const std::optional<at::Tensor> bias = linears.get(index * kSlots + 2);
+  TORCH_CHECK(a.has_value(), "decoder_layer_: linear ", index, " has no weight");
+  at::Tensor y;
+  switch (kinds[index]) {
+    case 0:
+      return at::linear(x, *a, bias);
+    case 1:
+      return packed_linear(x, *a, bias);
+    case 2:
+      y = at::_weight_int4pack_mm_for_cpu(x, *a, params[index], *b);
+      break;
+    case 3:
+      y = at::_weight_int8pack_mm(x, *a, *b);
+      break;
+    default:
+      TORCH_CHECK(false, "decoder_layer_: unknown linear kind ", kinds[index]);
+  }
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+}  // namespace
+
+// x [rows, hidden] is the residual stream, updated in place; heads = (heads, kv_heads, dim).
+void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    const at::Tensor& norm1, const at::Tensor& norm2, double eps,
+                    at::IntArrayRef kinds, at::IntArrayRef params,
+                    const c10::List<std::optional<at::Tensor>>& linears, at::IntArrayRef heads,
+                    double scale, int64_t sliding_window, double k_scale, double v_scale) {
+  TORCH_CHECK(kinds.size() == 4 && params.size() == 4 &&
+              linears.size() == static_cast<size_t>(4 * kSlots) && heads.size() == 3,
+              "decoder_layer_: 4 linears (qkv, o, gate_up, down) and (heads, kv_heads, dim)");
+  const int64_t rows = x.size(0), num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
+  const int64_t q_size = num_heads * dim, kv_size = kv_heads * dim;
+  at::Tensor h = rms_norm(x, norm1, eps);
+  at::Tensor qkv = linear(h, 0, kinds, params, linears);  // [rows, q + 2 kv]
+  rotary_(qkv.narrow(1, 0, q_size + kv_size).view({rows, num_heads + kv_heads, dim}), cos, sin);
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads, dim});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, kv_heads, dim});
+  at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, dim});
+  write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+  at::Tensor attn = at::empty({rows, num_heads, dim}, x.options());
+  decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale,
+                   sliding_window, v_scale);
+  at::Tensor o = linear(attn.view({rows, q_size}), 1, kinds, params, linears);
+  add_rms_norm_(o, x, norm2, eps);  // x += o; o = norm(x)
+  at::Tensor act = silu_and_mul(linear(o, 2, kinds, params, linears));
+  x.add_(linear(act, 3, kinds, params, linears));
+}
+
+}  // namespace kvserve

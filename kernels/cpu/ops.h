@@ -1,0 +1,31 @@
+// The C++ CPU ops shared between kvserve_cpu_ops.cpp (the kernels and the registration) and
+// decoder_layer.cpp (a whole decode layer built from them).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace kvserve {
+
+void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                      double v_scale);
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+              at::Tensor v_cache, const at::Tensor& slot_mapping, double k_scale,
+              double v_scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_(at::Tensor h, at::Tensor residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    const at::Tensor& norm1, const at::Tensor& norm2, double eps,
+                    at::IntArrayRef kinds, at::IntArrayRef params,
+                    const c10::List<std::optional<at::Tensor>>& linears, at::IntArrayRef heads,
+                    double scale, int64_t sliding_window, double k_scale, double v_scale);
+
+}  // namespace kvserve
