@@ -163,8 +163,9 @@ def available_kv_cache_bytes(args: EngineArgs, device: torch.device, weight_byte
         available = args.kv_cache_memory_bytes
     elif device.type == "cuda":
         available = cuda_kv_cache_bytes(args, device, weight_bytes, peak_activation_bytes)
-    else:  # the host's budget, shared by its tensor-parallel ranks (one RAM, N caches)
-        available = cpu_kv_cache_bytes(read_mem_available_bytes()) // args.tensor_parallel_size
+    else:  # the host's budget, shared by its tensor- or pipeline-parallel ranks (one RAM)
+        available = cpu_kv_cache_bytes(read_mem_available_bytes()) // (
+            args.tensor_parallel_size * args.pipeline_parallel_size)
     if available <= 0:
         steps = "\n  ".join(triage_steps(device, None))
         raise ValueError(
@@ -247,13 +248,17 @@ def _device_label(device: torch.device) -> str:
 
 
 def capacity_log_lines(plan: KVCachePlan, device: torch.device, max_model_len: int,
-                       tensor_parallel_size: int = 1) -> list[str]:
+                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+                       ) -> list[str]:
     """vLLM's three capacity lines: available memory, KV cache size, maximum concurrency. With
     tensor parallelism `plan` is one rank's (its share of the KV heads): the memory is per rank,
     while every rank holds all the tokens, as vLLM counts them."""
     per_rank = "" if tensor_parallel_size == 1 else \
         f" per rank (tensor parallel size {tensor_parallel_size}, " \
         f"{format_gib(plan.available_bytes * tensor_parallel_size)} in all)"
+    if pipeline_parallel_size > 1:  # each stage holds the KV of its layers, for every token
+        per_rank = f" per stage (pipeline parallel size {pipeline_parallel_size}, " \
+            f"{format_gib(plan.available_bytes * pipeline_parallel_size)} in all)"
     return [
         f"Available KV cache memory: {format_gib(plan.available_bytes)}{per_rank}",
         f"{_device_label(device)} KV cache size: {plan.num_tokens:,} tokens",

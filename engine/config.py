@@ -207,10 +207,16 @@ class EngineArgs:
         1, "tensor-parallel ranks: the model's heads, MLP and vocab split over N processes "
         "(gloo on CPU, NCCL on CUDA); N must divide the attention heads and KV heads",
         plan=True, aliases=("-tp",))
+    pipeline_parallel_size: int = _flag(
+        1, "pipeline stages: contiguous layers (and their KV cache) on N processes, hidden "
+        "states passed between them (gloo on CPU, NCCL on CUDA); N <= the model's layers; not "
+        "combined with --tensor-parallel-size yet", plan=True, aliases=("-pp",))
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's choice, usually "
                                     "the cores)")
-    attention_backend: str = _flag("auto", "attention kernels: auto = triton on CUDA, torch on "
-                                   "CPU", choices=("auto", "triton", "torch"))
+    attention_backend: str = _flag("auto", "attention kernels: auto = triton on CUDA, kvserve's "
+                                   "C++ ops on CPU (torch where they cannot be built); cpu, "
+                                   "triton or torch force one",
+                                   choices=("auto", "cpu", "triton", "torch"))
     enforce_eager: bool = _flag(False, "CUDA: run decode steps eagerly instead of replaying "
                                 "captured CUDA graphs")
     async_scheduling: bool = _flag(True, "schedule the next step while the model runs this "
@@ -282,8 +288,15 @@ class EngineArgs:
         self.override_generation_config = parse_override(self.override_generation_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got "
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet: "
+                "use --tensor-parallel-size N or --pipeline-parallel-size N alone")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got "
                              f"{self.attention_backend!r}")
 
     def resolved_device(self) -> torch.device:

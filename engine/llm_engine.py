@@ -33,6 +33,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, StepResult
 from engine.distributed.launcher import start_tensor_parallel
 from engine.distributed.parallel_state import rank_model_config
+from engine.distributed.pipeline import start_pipeline_parallel
 from engine.errors import InvalidRequestError
 from engine.generation_config import (
     default_sampling_params,
@@ -45,6 +46,7 @@ from engine.model_loader.loader import (
     load_tokenizer,
     resolve_model,
 )
+from engine.models.pipeline_layers import stage_kv_config
 from engine.output_processor import OutputProcessor, OutputStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -103,6 +105,8 @@ class LLMEngine:
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(args, self.max_model_len)
         # --tensor-parallel-size N: ranks 1..N-1 are spawned here; this process is rank 0.
         self.tp = start_tensor_parallel(args, self.model_config, self.max_model_len, device)
+        # --pipeline-parallel-size N: stages 0..N-2 are spawned; this process is the last.
+        self.pp = start_pipeline_parallel(args, self.model_config, self.max_model_len, device)
         # The model's thread first: loading and profiling run on it as the steps will (see
         # engine/worker/worker.py on why one thread must do all of the torch work).
         self.worker = Worker(args.num_threads)
@@ -115,6 +119,8 @@ class LLMEngine:
         except BaseException:
             if self.tp is not None:
                 self.tp.shutdown()
+            if self.pp is not None:
+                self.pp.shutdown()
             self.worker.shutdown()
             raise
         self.runner = runner  # the worker thread's; read it here only between steps
@@ -148,9 +154,12 @@ class LLMEngine:
         """Loads the model and sizes and allocates the KV cache (on the worker thread)."""
         args = self.args
         runner = ModelRunner(self.source, args, device, args.resolved_dtype(device),
-                             self.max_model_len, None if self.tp is None else self.tp.groups)
+                             self.max_model_len, None if self.tp is None else self.tp.groups,
+                             None if self.pp is None else self.pp.stage)
         if self.tp is not None:
             self.tp.attach(runner.model)
+        if self.pp is not None:
+            self.pp.attach(runner.model)
         self.kv_cache_plan = self._init_kv_cache(runner)
         return runner
 
@@ -158,9 +167,11 @@ class LLMEngine:
         peak = runner.profile_peak_activation_bytes(self.max_num_batched_tokens)
         peak += runner.profile_cuda_graph_bytes(self.args.max_num_seqs)
         tp = self.args.tensor_parallel_size  # the plan is per rank: its share of the KV heads
-        plan = plan_kv_cache(rank_model_config(self.model_config, tp), self.args, runner.device,
-                             runner.dtype, runner.weight_bytes(), peak, self.max_model_len)
-        for line in capacity_log_lines(plan, runner.device, self.max_model_len, tp):
+        pp = self.args.pipeline_parallel_size  # per stage: the largest stage's layers
+        plan = plan_kv_cache(stage_kv_config(rank_model_config(self.model_config, tp), pp),
+                             self.args, runner.device, runner.dtype, runner.weight_bytes(), peak,
+                             self.max_model_len)
+        for line in capacity_log_lines(plan, runner.device, self.max_model_len, tp, pp):
             logger.info(line)
         check_max_model_len_fits(plan, self.max_model_len, runner.device)
         runner.allocate_kv_cache(plan.num_blocks)
@@ -318,9 +329,13 @@ class LLMEngine:
         self.structured_output.shutdown()
         if self.tp is not None:
             self.tp.shutdown()  # reaps ranks 1..N-1
+        if self.pp is not None:
+            self.pp.shutdown()  # reaps the stages' ranks 1..N-1
 
     def dead_reason(self) -> str | None:
         """Why the engine cannot run another step (a tensor-parallel rank exited), or None."""
+        if self.pp is not None:
+            return self.pp.dead_rank()
         return None if self.tp is None else self.tp.dead_rank()
 
     def model_name(self) -> str:

@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(asctime)s %(message)s", datefmt="%m-%d %H:%M:%S")
     try:
         if ns.command == "plan":
+            if ns.pipeline_parallel_size > 1:  # per-stage figures
+                from engine.distributed.pipeline_plan import run_pipeline_plan
+
+                return run_pipeline_plan(ns)
             return run_plan(ns)
         if ns.command == "serve":
             config = server_config(ns)

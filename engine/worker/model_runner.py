@@ -21,6 +21,7 @@ from engine.model_loader.loader import ModelSource, iter_weights
 from engine.models import build_model
 from engine.models.cpu_linear import pack_linears
 from engine.models.llama import LlamaForCausalLM
+from engine.models.pipeline_layers import build_stage_model
 from engine.quantization import (
     apply_plan,
     cast_float_parameters,
@@ -41,6 +42,7 @@ from kernels.selector import get_attention_backend
 
 if TYPE_CHECKING:
     from engine.distributed.parallel_state import ParallelGroups
+    from engine.models.pipeline_layers import StageSpec
 
 logger = logging.getLogger("kvserve")
 
@@ -50,10 +52,11 @@ class ModelRunner:
 
     def __init__(self, source: ModelSource, args: EngineArgs, device: torch.device,
                  dtype: torch.dtype, max_model_len: int,
-                 parallel: ParallelGroups | None = None) -> None:
+                 parallel: ParallelGroups | None = None, stage: StageSpec | None = None) -> None:
         self.config: ModelConfig = source.config
         self.thread_id = threading.get_ident()  # the worker thread's (engine/worker/worker.py)
         self.parallel = parallel  # tensor-parallel groups: this runner holds one rank's shard
+        self.stage = stage  # pipeline parallel: this runner holds one stage's layers
         self.args = args
         self.device = device
         self.dtype = dtype
@@ -77,7 +80,8 @@ class ModelRunner:
                         why)
         # A GGUF file's Q4 blocks stay in place by default where int4 runs fused (one rank).
         in_place = (apply_plan("int4", self.dtype, self.device).mode == "fused"
-                    and getattr(self.args, "tensor_parallel_size", 1) == 1)
+                    and getattr(self.args, "tensor_parallel_size", 1) == 1
+                    and getattr(self.args, "pipeline_parallel_size", 1) == 1)
         quantization = effective_quantization(self.args.quantization, self.config,
                                               source.kind, in_place)
         checkpoint = None
@@ -92,7 +96,9 @@ class ModelRunner:
         load_dtype = self.dtype if quantization == "none" else torch.float32
         with torch.device("meta"):
             model = build_model(self.config, self.backend, max_model_len, self.device,
-                                self.parallel)
+                                self.parallel) if self.stage is None else \
+                build_stage_model(self.config, self.backend, max_model_len, self.device,
+                                  self.stage)
         model = model.to(dtype=load_dtype).to_empty(device=self.device)
         if self.config.tie_word_embeddings:  # to_empty unties shared parameters
             model.lm_head.weight = model.embed_tokens.weight
@@ -138,6 +144,7 @@ class ModelRunner:
         --enforce-eager."""
         return (self.device.type == "cuda" and not self.args.enforce_eager
                 and self.parallel is None  # a graph cannot replay rank 0's step broadcasts
+                and self.stage is None
                 and bool(getattr(self.backend, "supports_cuda_graphs", False)))
 
     def _graph_runner(self, sizes: list[int]) -> DecodeGraphRunner:
@@ -172,7 +179,8 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device),
                            torch.zeros(shape, dtype=self.kv_cache_dtype(), device=self.device))
-                          for _ in range(cfg.num_hidden_layers)]
+                          for _ in range(cfg.num_hidden_layers if self.stage is None
+                                         else self.stage.num_layers)]  # a stage: its layers
 
     def profile_batch(self, num_tokens: int) -> tuple[SchedulerOutput, int]:
         """The profiling step: `num_tokens` prompt tokens as few prompts as fit, none longer
