@@ -169,6 +169,7 @@ def create_app(config: ServerConfig, engine_args: EngineArgs | None = None,
         max_queue_len=config.max_queue_len, stats_interval_s=config.stats_interval_s,
         vllm_metric_names=config.vllm_metric_names))
     app.cleanup_ctx.append(_engine_context(factory))
+    app.cleanup_ctx.append(router_api.kv_events_context)  # --kv-events-config
     app.on_shutdown.append(websocket.close_websockets)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

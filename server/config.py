@@ -40,6 +40,7 @@ class ServerConfig:
     vllm_metric_names: bool = False  # also expose /metrics under vLLM's `vllm:` names
     get_load_format: str = "sglang"  # the shape of GET /get_load, one of GET_LOAD_FORMATS
     data_parallel_size: int = 1  # engine replicas behind this server (server/data_parallel.py)
+    kv_events_config: str | None = None  # vLLM's --kv-events-config JSON (engine/kv_events.py)
 
     def validate(self) -> None:
         """Raises ValueError naming the bad setting."""
@@ -64,6 +65,10 @@ class ServerConfig:
             from server.tool_parsers import get_tool_parser
 
             get_tool_parser(self.tool_call_parser)  # ValueError naming the known parsers
+        if self.kv_events_config is not None:
+            from engine.kv_events import KVEventsConfig
+
+            KVEventsConfig.from_json(self.kv_events_config)  # ValueError naming the field
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +113,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine replicas, each a child process with --num-threads / N "
                              "threads, behind this server, which routes each request to the "
                              "least loaded one with prompt-prefix affinity (default: 1)")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help="publish KV cache block events for vllm-router's kv_aware policy, "
+                             "as vLLM: '{\"enable_kv_cache_events\": true, \"publisher\": "
+                             "\"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": "
+                             "\"kv-events\"}' (GET /kv_event_sources lists it; default: off)")
 
 
 def server_config(ns: argparse.Namespace) -> ServerConfig:
@@ -120,4 +130,5 @@ def server_config(ns: argparse.Namespace) -> ServerConfig:
                         tool_call_parser=ns.tool_call_parser,
                         vllm_metric_names=ns.vllm_metric_names,
                         get_load_format=ns.get_load_format,
-                        data_parallel_size=ns.data_parallel_size)
+                        data_parallel_size=ns.data_parallel_size,
+                        kv_events_config=ns.kv_events_config)

@@ -17,6 +17,7 @@ SIGTERM and drain theirs, and every child is reaped before the front exits.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from server.dp_replicas import (
 )
 from server.dp_routing import Balancer, prefix_key, prompt_text
 from server.errors import APIError, error_middleware
+from server.router_api import connect_address
 from server.routes import DONE, sse_event
 from server.serve import _bound_port, _install_signal_handlers, is_loopback
 from server.state import CONFIG, STATE, ServerConfig, ServerState
@@ -251,6 +253,43 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
+async def kv_event_sources(request: web.Request) -> web.Response:
+    """GET /kv_event_sources: every running replica's KV event publisher, keyed by replica
+    index (vLLM keys them by data-parallel rank), each with the host a router can reach."""
+    front = request.app[FRONT]
+    sources: dict[str, object] = {}
+    for replica in front.replicas:
+        if not front.balancer.healthy[replica.index]:
+            continue
+        try:
+            async with front.client().get(replica.url + "/kv_event_sources") as resp:
+                entry = orjson.loads(await resp.read()).get("0")
+        except (aiohttp.ClientError, orjson.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("endpoint"), str):
+            # a replica answers for 127.0.0.1, where the front reached it
+            for key in ("endpoint", "replay_endpoint"):
+                if isinstance(entry.get(key), str) and entry[key].startswith("tcp://127.0.0.1:"):
+                    entry[key] = connect_address("tcp://*:" + entry[key].rsplit(":", 1)[1],
+                                                 request.app[CONFIG].host, request.host)
+            sources[str(replica.index)] = entry
+    body = sources or {"sources": []}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+def replica_argv(argv: list[str], config: ServerConfig) -> list[str]:
+    """The replicas' flags: with --kv-events-config each binds its TCP publisher on a port of
+    the OS's choosing (same host), since they cannot share one; the front lists them all."""
+    if config.kv_events_config is None:
+        return argv
+    events = json.loads(config.kv_events_config)
+    for key in ("endpoint", "replay_endpoint"):
+        value = events.get(key, "tcp://*:5557" if key == "endpoint" else None)
+        if isinstance(value, str) and value.startswith("tcp://"):
+            events[key] = value.rsplit(":", 1)[0] + ":0"
+    return [*argv, "--kv-events-config", json.dumps(events)]
+
+
 def create_front_app(config: ServerConfig, front: Front) -> web.Application:
     """The front's application (the replicas are already started and ready)."""
     config.validate()
@@ -266,6 +305,7 @@ def create_front_app(config: ServerConfig, front: Front) -> web.Application:
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/v1/ws", websocket)
+    app.router.add_get("/kv_event_sources", kv_event_sources)
     app.router.add_route("*", "/{tail:.*}", forward_any)
     return app
 
@@ -279,7 +319,7 @@ def run_data_parallel(config: ServerConfig, size: int, argv: list[str],
 async def _serve(config: ServerConfig, size: int, argv: list[str],
                  num_threads: int | None) -> int:
     config.validate()
-    replicas = start_replicas(argv, size, num_threads)
+    replicas = start_replicas(replica_argv(argv, config), size, num_threads)
     front = Front(replicas, Balancer(size))
     stop = asyncio.Event()
     _install_signal_handlers(stop)

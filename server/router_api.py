@@ -18,8 +18,12 @@ sglang-router 0.3.2 by running them; README, "Replicas behind a router"):
   such object; the router reads `token_ids`.
 - `POST /flush_cache` (both routers fan it out): 200 when flushed, 409 while requests are in
   flight; the routers read only the status.
-- `GET /kv_event_sources` (vllm-router's kv_aware policy): `{"sources": [...]}`. kvserve
-  publishes no KV events yet, so the list is empty.
+- `GET /kv_event_sources` (vllm-router's kv_aware policy): with --kv-events-config, the
+  publisher's resolved config keyed by data-parallel rank, `{"0": {"endpoint":
+  "tcp://HOST:PORT", "topic", "publisher": "zmq", "enable_kv_cache_events": true, "encoding":
+  "msgpack", "schema_version": 1, ...}}` (vllm-router subscribes only to such entries, and
+  rejects a wildcard host: HOST is --host, or the host the caller reached); without it
+  `{"sources": []}`, which vllm-router reads as no publisher.
 
 Everything comes from the engine through `EngineClient`; nothing here reaches inside it.
 """
@@ -27,9 +31,12 @@ Everything comes from the engine through `EngineClient`; nothing here reaches in
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import orjson
@@ -45,6 +52,11 @@ from server.protocol import (
 )
 from server.protocol_tools import chat_tools
 from server.state import CONFIG, ENGINE, MODEL
+
+logger = logging.getLogger("kvserve")
+# The KV event publisher when --kv-events-config enables one (engine/kv_events.py).
+KV_EVENTS = web.AppKey("kv_events", object)
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
 # Render bodies carry whatever the router forwards (vllm-router adds SGLang's fields such as
 # no_stop_trim): they are decoded without the unknown-field warning, which the real call that
@@ -178,9 +190,56 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def kv_event_sources(request: web.Request) -> web.Response:
     """GET /kv_event_sources: where vllm-router's kv_aware policy subscribes to KV block
-    events. kvserve publishes none yet, so the list is empty and the router scores replicas
-    by the token ids /render gives it, with no cache overlap credited."""
-    return _json({"sources": []})
+    events, keyed by data-parallel rank as vLLM answers; `{"sources": []}` when kvserve
+    publishes none (vllm-router then scores replicas by load alone)."""
+    publisher: Any = request.app.get(KV_EVENTS)
+    if publisher is None:
+        return _json({"sources": []})
+    endpoint = connect_address(publisher.endpoint, request.app[CONFIG].host, request.host)
+    replay = publisher.replay_endpoint
+    if replay is not None:
+        replay = connect_address(replay, request.app[CONFIG].host, request.host)
+    return _json({str(publisher.rank): publisher.config.resolved(endpoint, replay)})
+
+
+def connect_address(bound: str, server_host: str, request_host: str) -> str:
+    """The bound ZeroMQ address as a subscriber elsewhere connects to it: a wildcard host
+    becomes --host when that is specific, else the host the caller reached this server by."""
+    if not bound.startswith("tcp://"):
+        return bound
+    parts = urlsplit(bound)
+    if parts.hostname not in _WILDCARD_HOSTS and parts.hostname is not None:
+        return bound
+    host = server_host if server_host not in _WILDCARD_HOSTS else \
+        (urlsplit(f"http://{request_host}").hostname or "127.0.0.1")
+    if ":" in host:
+        host = f"[{host}]"
+    return f"tcp://{host}:{parts.port}"
+
+
+async def kv_events_context(app: web.Application) -> AsyncIterator[None]:
+    """Starts the KV event publisher on the engine's prefix cache (--kv-events-config) after
+    the engine starts; stops it before the engine stops."""
+    text = app[CONFIG].kv_events_config
+    publisher = None
+    if text is not None:
+        from engine.kv_events import KVEventsConfig, KVEventSink, ZmqEventPublisher, attach
+
+        config = KVEventsConfig.from_json(text)
+        kv: Any = getattr(getattr(app[ENGINE], "engine", None), "kv", None)
+        if config.enabled and kv is None:
+            logger.warning("--kv-events-config: this engine has no prefix cache to publish")
+        elif config.enabled:
+            if not kv.enable_caching:
+                raise ValueError("--kv-events-config needs prefix caching, which is off")
+            sink = KVEventSink(kv.block_size, config.max_queue_size)
+            publisher = ZmqEventPublisher(config, sink)
+            detach = attach(kv, sink)
+            app[KV_EVENTS] = publisher
+    yield
+    if publisher is not None:
+        detach()
+        publisher.shutdown()
 
 
 def register(app: web.Application) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 # A block's prefix-cache key: sha256 over its parent's key and its own token ids (and, for the
 # first block, the request's cache_salt). Chaining a cryptographic digest makes the key stand
@@ -29,6 +30,16 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
         digest.update(len(salt).to_bytes(8, "little") + salt)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+class KVEventSink(Protocol):
+    """Told when a prefix enters or leaves the cache (engine/kv_events.py publishes it)."""
+
+    def block_stored(self, block_hash: BlockHash) -> None: ...
+
+    def block_removed(self, block_hash: BlockHash) -> None: ...
+
+    def all_cleared(self) -> None: ...
 
 
 class KVCacheBlock:
@@ -106,6 +117,8 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        # Optional listener for KV cache events (--kv-events-config); None costs one check.
+        self.event_sink: KVEventSink | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,8 +158,9 @@ class BlockPool:
             return
         block.block_hash = block_hash
         # If an identical block is already cached, keep the older entry; this one is then
-        # simply not findable, which is harmless.
-        self.cached.setdefault(block_hash, block)
+        # simply not findable, which is harmless (and announced to no event sink).
+        if self.cached.setdefault(block_hash, block) is block and self.event_sink is not None:
+            self.event_sink.block_stored(block_hash)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference per block; a block reaching zero joins the free queue's tail.
@@ -177,6 +191,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.event_sink is not None:
+            self.event_sink.all_cleared()
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -184,4 +200,6 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.event_sink is not None:
+                self.event_sink.block_removed(block.block_hash)
         block.block_hash = None

@@ -149,7 +149,9 @@ def test_render_refuses_what_the_real_call_refuses(server: ServerProcess) -> Non
     assert_error(http(server, "POST", "/v1/completions/render", b"{not json"), 400)
 
 
-def test_kv_event_sources_lists_none(server: ServerProcess) -> None:
+def test_kv_event_sources_lists_none_without_kv_events_config(server: ServerProcess) -> None:
+    # vllm-router reads this as "no publisher"; with --kv-events-config it lists the bound
+    # endpoint under "0" (tests/server/test_kv_events.py).
     assert get_json(server, "/kv_event_sources") == {"sources": []}
 
 
