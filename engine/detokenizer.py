@@ -23,10 +23,17 @@ class IncrementalDetokenizer:
     """Turns one choice's sampled ids into text, step by step."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
-                 decode: DecodeFn | None = None) -> None:
+                 decode: DecodeFn | None = None, singles: dict[int, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self._raw_decode = decode if decode is not None else fast_decoder(tokenizer)
+        # (ids, skip_special_tokens) -> text: the fast decoder, else the tokenizer's decode.
+        self._decode_ids: DecodeFn = self._raw_decode if self._raw_decode is not None else \
+            self._tokenizer_decode
         self.skip_special = params.skip_special_tokens
+        # Token id -> its text decoded alone (a pure function of the id, shared by every
+        # detokenizer of one tokenizer and skip_special_tokens setting: see DecodeCache).
+        # Once text flows, each step's prefix is the one token the last step added.
+        self.singles: dict[int, str] = {} if singles is None else singles
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -38,15 +45,24 @@ class IncrementalDetokenizer:
 
     def update(self, token_id: int) -> str | None:
         """Adds one token; returns the stop string if the text now contains one."""
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        ids = self.ids
+        ids.append(token_id)
+        decode, skip = self._decode_ids, self.skip_special
+        prefix_offset, read_offset = self.prefix_offset, self.read_offset
+        if read_offset - prefix_offset == 1:
+            prefix = self.singles.get(ids[prefix_offset])
+            if prefix is None:
+                prefix = self.singles[ids[prefix_offset]] = decode(ids[prefix_offset:read_offset],
+                                                                   skip)
+        else:
+            prefix = decode(ids[prefix_offset:read_offset], skip)
+        full = decode(ids[prefix_offset:], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None  # an incomplete UTF-8 sequence: wait for the next byte token
         delta = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = read_offset, len(ids)
         self.text += delta
-        return self._check_stop(len(delta))
+        return self._check_stop(len(delta)) if self.stop else None
 
     def _check_stop(self, delta_len: int) -> str | None:
         if not self.stop:
@@ -68,9 +84,22 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        if self._raw_decode is not None:
-            return self._raw_decode(ids, self.skip_special)
-        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special))
+        return self._decode_ids(ids, self.skip_special)
+
+    def _tokenizer_decode(self, ids: list[int], skip_special: bool) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special))
+
+
+class DecodeCache:
+    """The single-token texts of one tokenizer, per skip_special_tokens setting, shared by
+    its detokenizers (at most one entry per vocabulary id each)."""
+
+    def __init__(self) -> None:
+        self._by_skip: dict[bool, dict[int, str]] = {True: {}, False: {}}
+
+    def singles(self, skip_special_tokens: bool) -> dict[int, str]:
+        """The id -> text dict for this setting."""
+        return self._by_skip[bool(skip_special_tokens)]
 
 
 def fast_decoder(tokenizer: Any) -> DecodeFn | None:

@@ -112,6 +112,22 @@ class _Renamed:
         return self.prefix + name.removeprefix(PREFIX)
 
 
+def observe_many(histogram: Any, amount: float, count: int) -> None:
+    """`count` observations of `amount`: the bucket found once and its counters bumped by
+    `count` (prometheus_client's own fields); one observe() at a time where those are absent."""
+    bounds, buckets, total = (getattr(histogram, name, None)
+                              for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None or count == 1:
+        for _ in range(count):
+            histogram.observe(amount)
+        return
+    total.inc(amount * count)
+    for i, bound in enumerate(bounds):
+        if amount <= bound:
+            buckets[i].inc(count)
+            break
+
+
 class EngineMetrics:
     """The engine's Prometheus registry: live counters plus latency histograms; with
     `vllm_names` each family is also exposed under vLLM's own prefix, `vllm:`."""
@@ -149,6 +165,11 @@ class EngineMetrics:
     def observe_token(self, since_previous: float, first: bool) -> None:
         """A choice's new token: time to first token, or the gap since its previous one."""
         (self.ttft if first else self.itl).observe(since_previous)
+
+    def observe_tokens(self, since_previous: float, count: int) -> None:
+        """`count` tokens (none a first), each `since_previous` after its previous one: in a
+        decode step most running requests share one gap, observed here at once."""
+        observe_many(self.itl, since_previous, count)
 
     def observe_finished(self, e2e: float | None, queue_time: float | None,
                          reason: str) -> None:

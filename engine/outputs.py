@@ -21,7 +21,7 @@ PositionLogprobs = dict[int, Logprob]
 SampleLogprobs = list[PositionLogprobs]
 
 
-@dataclass
+@dataclass(slots=True)  # slots: built for every streaming request every step
 class CompletionOutput:
     """One choice of a request. With RequestOutputKind.DELTA (streaming) `text`, `token_ids`
     and `logprobs` hold only what this step added; with FINAL_ONLY they are the whole output."""
@@ -40,7 +40,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's state after a step: its prompt and each choice so far."""
 

@@ -74,9 +74,11 @@ class Call:
             if self.builder.spec.kind == "chat":
                 yield self.builder.role_chunk()
             if len(self.streams) == 1:  # most calls: read the one stream with no relay
+                builder = self.builder
                 async for output in self.streams[0]:
-                    if (chunk := self._chunk(0, output)) is not None:
-                        yield chunk
+                    _raise_if_failed(output)
+                    if deltas := builder.update(0, output):
+                        yield builder.chunk(deltas)
             else:
                 async for prompt_index, output in self._outputs():
                     if (chunk := self._chunk(prompt_index, output)) is not None:
@@ -139,9 +141,10 @@ async def _pump(index: int, stream: RequestHandle,
 
 
 def _raise_if_failed(output: RequestOutput) -> None:
-    if any(c.finish_reason == "error" for c in output.outputs):
-        raise APIError(500, "the model step for this request failed; see the server log",
-                       code="internal_error")
+    for completion in output.outputs:  # a plain loop: run for every delta of every stream
+        if completion.finish_reason == "error":
+            raise APIError(500, "the model step for this request failed; see the server log",
+                           code="internal_error")
 
 
 def start_completion(engine: EngineClient, model: ServedModel, req: CompletionRequest) -> Call:

@@ -75,9 +75,10 @@ class ResponseBuilder:
         """Applies one step's output; returns the chunk choices it produced."""
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
         deltas = []
+        choices, first, update_choice = self.choices, prompt_index * self.spec.n, \
+            self._update_choice
         for completion in output.outputs:
-            state = self.choices[prompt_index * self.spec.n + completion.index]
-            delta = self._update_choice(state, completion, prompt_index)
+            delta = update_choice(choices[first + completion.index], completion, prompt_index)
             if delta is not None:
                 deltas.append(delta)
         return deltas
@@ -87,16 +88,28 @@ class ResponseBuilder:
         if state.done:
             return None
         text = out.text  # this step's delta (the engine streams deltas only)
-        if not state.started and self.spec.echo_texts is not None:
-            text = self.spec.echo_texts[prompt_index] + text
+        spec = self.spec
+        if state.started and state.tool_parser is None and spec.top_logprobs is None:
+            # Most deltas (every streamed token): no echo, logprobs or tool parsing to do.
+            finish = out.finish_reason
+            state.num_tokens += len(out.token_ids)
+            state.finish_reason, state.stop_reason = finish, out.stop_reason
+            state.done = finish is not None
+            state.texts.append(text)
+            if not text and not out.token_ids and finish is None:
+                return None
+            return self._choice_delta(state, text, None)
         first = not state.started
-        state.started = True
+        if first:
+            if spec.echo_texts is not None:
+                text = spec.echo_texts[prompt_index] + text
+            state.started = True
         state.num_tokens += len(out.token_ids)
-        new_logprobs = self._logprobs(state, out)
+        new_logprobs = None if spec.top_logprobs is None else self._logprobs(state, out)
         state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
         state.done = out.finish_reason is not None
-        if state.tool_parser is not None and self.spec.tool_mode is not None:
-            return self._tool_choice_delta(state, state.tool_parser, self.spec.tool_mode, text,
+        if state.tool_parser is not None and spec.tool_mode is not None:
+            return self._tool_choice_delta(state, state.tool_parser, spec.tool_mode, text,
                                            new_logprobs)
         state.texts.append(text)
         if not text and not out.token_ids and not state.done and not first:
@@ -172,8 +185,10 @@ class ResponseBuilder:
         finish = state.finish_reason if state.done else None
         if self.spec.kind == "chat":
             return {"index": state.index, "delta": {"content": text},
-                    "logprobs": _chat_logprobs(logprobs), "finish_reason": finish}
-        return {"index": state.index, "text": text, "logprobs": _completion_logprobs(logprobs),
+                    "logprobs": None if logprobs is None else _chat_logprobs(logprobs),
+                    "finish_reason": finish}
+        return {"index": state.index, "text": text,
+                "logprobs": None if logprobs is None else _completion_logprobs(logprobs),
                 "finish_reason": finish, "stop_reason": state.stop_reason if finish else None}
 
     def role_chunk(self) -> dict[str, Any]:
@@ -183,11 +198,12 @@ class ResponseBuilder:
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """One streamed chunk carrying these choice deltas."""
-        obj = "chat.completion.chunk" if self.spec.kind == "chat" else "text_completion"
-        chunk = {"id": self.spec.response_id, "object": obj, "created": self.spec.created,
-                 "model": self.spec.model, "choices": choices}
-        if self.spec.include_usage:
-            chunk["usage"] = self.usage() if self.spec.continuous_usage else None
+        spec = self.spec
+        obj = "chat.completion.chunk" if spec.kind == "chat" else "text_completion"
+        chunk = {"id": spec.response_id, "object": obj, "created": spec.created,
+                 "model": spec.model, "choices": choices}
+        if spec.include_usage:
+            chunk["usage"] = self.usage() if spec.continuous_usage else None
         return chunk
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -65,18 +65,25 @@ class AsyncScheduler(Scheduler):
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         pending = request.num_output_placeholders
-        if pending and (request.num_output_tokens + pending >= request.max_tokens
-                        or request.num_tokens + pending >= self.max_model_len):
+        num_tokens = len(request.all_token_ids)
+        if pending and (len(request.output_token_ids) + pending >= request.max_tokens
+                        or num_tokens + pending >= self.max_model_len):
             return 0  # the token in flight is its last: computing past it would be wasted
-        return min(request.num_tokens + pending - request.num_computed_tokens, budget)
+        return min(num_tokens + pending - request.num_computed_tokens, budget)
 
-    def _freeze(self, request: Request, num_new: int) -> ScheduledRequest:
-        row = super()._freeze(request, num_new)
-        request.num_computed_tokens += num_new
-        if row.sample:
-            request.num_output_placeholders += 1
-        self._frozen.append(request)
-        return row
+    def _freeze_all(self, scheduled: list[tuple[Request, int]]) -> tuple[ScheduledRequest, ...]:
+        """The rows, each request's counters advanced past its row (and a placeholder counted
+        for each token it samples)."""
+        freeze = self._freeze
+        rows = []
+        for request, num_new in scheduled:
+            row = freeze(request, num_new)
+            request.num_computed_tokens += num_new
+            if row.sample:
+                request.num_output_placeholders += 1
+            rows.append(row)
+        self._frozen = [request for request, _ in scheduled]
+        return tuple(rows)
 
     def update_from_output(self, batch: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, PositionLogprobs],
@@ -85,33 +92,43 @@ class AsyncScheduler(Scheduler):
         """Reconciles a returned step: each placeholder becomes its sampled token (stop checks
         as in Scheduler), or is dropped if its request ended meanwhile. Returns those touched."""
         requests = self._in_flight.pop(id(batch.requests), [])
-        block_size, caching = self.kv.block_size, self.kv.enable_caching
-        touched = []
+        kv, stats, max_model_len = self.kv, self.stats, self.max_model_len
+        block_size, caching = kv.block_size, kv.enable_caching
+        grammar_ended = bool(grammar_terminated or grammar_rejected)
+        running = RequestStatus.RUNNING
+        get_token, apply_stop = sampled.get, self._apply_stop
+        touched: list[Request] = []
+        append = touched.append
         for item, request in zip(batch.requests, requests, strict=True):
             if not item.sample:
                 continue
             request.num_output_placeholders -= 1
-            token = sampled.get(item.request_id)
-            if request.status.finished or token is None:
+            rid = item.request_id
+            token = get_token(rid)
+            if token is None or request.status.finished:
                 continue  # ended while the step ran: the token was wasted work
-            if request.num_output_tokens == 0:  # prefill done: count the whole prompt, as vLLM
-                self.stats.num_prompt_tokens += request.num_prompt_tokens
-            request.append_output_token(token)
-            if item.request_id in logprobs:
-                request.logprobs.append(logprobs[item.request_id])
-            self._check_stop(request)
-            if not request.status.finished and (grammar_terminated or grammar_rejected):
-                if item.request_id in grammar_rejected:
+            output, all_ids = request.output_token_ids, request.all_token_ids
+            if not output:  # prefill done: count the whole prompt, as vLLM
+                stats.num_prompt_tokens += len(request.prompt_token_ids)
+            output.append(token)
+            all_ids.append(token)
+            if logprobs and rid in logprobs:
+                request.logprobs.append(logprobs[rid])
+            stats.num_generation_tokens += 1
+            params = request.sampling_params
+            if token in request.eos_token_ids or token in params.stop_token_ids or \
+                    len(output) >= request.max_tokens or len(all_ids) >= max_model_len:
+                apply_stop(request, token)  # only these can stop it (Scheduler._apply_stop)
+            if grammar_ended and not request.status.finished:
+                if rid in grammar_rejected:
                     self.finish(request, RequestStatus.FINISHED_ERROR)
-                elif item.request_id in grammar_terminated:
+                elif rid in grammar_terminated:
                     self.finish(request, RequestStatus.FINISHED_STOPPED)
-            if caching and request.num_tokens % block_size == 0 and \
-                    request.status is RequestStatus.RUNNING:
+            if caching and len(all_ids) % block_size == 0 and request.status is running:
                 # The block this token completes was computed, or is being, by a step already
                 # scheduled; schedule() could not key it while the token was unknown.
-                self.kv.cache_blocks(request, min(request.num_computed_tokens,
-                                                  request.num_tokens))
-            touched.append(request)
+                kv.cache_blocks(request, min(request.num_computed_tokens, len(all_ids)))
+            append(request)
         return touched
 
     def fail_batch(self, batch: SchedulerOutput) -> list[Request]:

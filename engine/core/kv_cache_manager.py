@@ -88,6 +88,11 @@ class KVCacheManager:
         `new_computed_blocks` (prefix hits, on admission) are shared, not allocated.
         Returns False and changes nothing when the pool cannot cover it.
         """
+        if not new_computed_blocks:  # most calls: a running request's held blocks suffice
+            held = self.req_blocks.get(request.request_id)
+            if held is not None and len(held) * self.block_size >= \
+                    request.num_computed_tokens + num_new_tokens:
+                return True
         computed = new_computed_blocks or []
         # Hits sitting in the free queue stop being free once touched.
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
@@ -115,11 +120,14 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        blocks = self.req_blocks.get(rid, [])
         # Only known tokens can be keyed: a token still being sampled (async scheduling) waits
         # for the next call, once the step in flight has returned it.
-        num_full = min(min(num_tokens, request.num_tokens) // self.block_size, len(blocks))
+        num_full = min(num_tokens, len(request.all_token_ids)) // self.block_size
         start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:  # most calls: no block filled since the last
+            return
+        blocks = self.req_blocks.get(rid, [])
+        num_full = min(num_full, len(blocks))
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)

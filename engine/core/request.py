@@ -71,9 +71,13 @@ class Request:
     # Structured outputs: the grammar being compiled for this request (an
     # xgrammar.CompiledGrammar once done); the scheduler admits the request only then.
     grammar: Future[Any] | None = None
+    # Whether sampling reads the output history (penalties): the scheduler's per-step fast
+    # path reads this flag instead of the params' property.
+    needs_history: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.needs_history = self.sampling_params.needs_penalties
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,6 +3,7 @@ preemption by recompute. Only the event-loop thread touches this state."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Collection, Iterable
@@ -14,6 +15,10 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from engine.core.step_budget import AdaptiveStepBudget
 from engine.outputs import PositionLogprobs
+
+# A decode row's token ids while its token is being sampled by the step in flight.
+_PLACEHOLDER_ROW = (PLACEHOLDER_TOKEN_ID,)
+_new_row = functools.partial(tuple.__new__, ScheduledRequest)  # positional, no checks
 
 
 @dataclass
@@ -64,26 +69,42 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         finished, self._finished_ids = frozenset(self._finished_ids), set()
-        return SchedulerOutput(tuple(self._freeze(r, n) for r, n in scheduled), finished)
+        return SchedulerOutput(self._freeze_all(scheduled), finished)
 
     def _schedule_running(self, budget: int, out: list[tuple[Request, int]]) -> tuple[int, bool]:
         preempted = False
+        running, kv = self.running, self.kv
+        num_new_tokens, allocate, cache = self._num_new_tokens, kv.allocate_slots, \
+            kv.cache_blocks
+        # For the common case, read inline: a request whose held blocks already cover the
+        # step, with no block filled since its last keying, needs neither call.
+        req_blocks, num_cached, block_size = kv.req_blocks, kv.num_cached_blocks, kv.block_size
+        append = out.append
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = self._num_new_tokens(request, budget)
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = num_new_tokens(request, budget)
             if num_new <= 0:  # async scheduling: the token in flight is its last
                 i += 1
                 continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()  # the most recently admitted
+            end = request.num_computed_tokens + num_new
+            held = req_blocks.get(request.request_id)
+            if held is not None and len(held) * block_size >= end and \
+                    min(end, len(request.all_token_ids)) // block_size <= \
+                    num_cached.get(request.request_id, 0):
+                append((request, num_new))  # allocate_slots and cache_blocks: no-ops here
+                budget -= num_new
+                i += 1
+                continue
+            while not allocate(request, num_new):
+                victim = running.pop()  # the most recently admitted
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
-                out.append((request, num_new))
+                cache(request, request.num_computed_tokens + num_new)
+                append((request, num_new))
                 budget -= num_new
                 i += 1
         return budget, preempted
@@ -147,15 +168,31 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens a running request computes this step (AsyncScheduler counts those in
         flight)."""
-        return min(request.num_tokens - request.num_computed_tokens, budget)
+        return min(len(request.all_token_ids) - request.num_computed_tokens, budget)
+
+    def _freeze_all(self, scheduled: list[tuple[Request, int]]) -> tuple[ScheduledRequest, ...]:
+        """The batch's rows, in scheduling order."""
+        freeze = self._freeze
+        return tuple([freeze(r, n) for r, n in scheduled])
 
     def _freeze(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
         params = request.sampling_params
-        history = params.needs_penalties
         pending = request.num_output_placeholders  # async scheduling: sampled, not yet known
-        tokens = request.all_token_ids[start:end]
+        all_ids = request.all_token_ids
+        num_tokens = len(all_ids)
+        if num_new == 1 and not request.needs_history and request.grammar is None and (
+                not params.min_tokens or
+                len(request.output_token_ids) + pending >= params.min_tokens):
+            # A plain decode row (every running request, every step): built positionally,
+            # no history, no banned ids, no grammar; the same row the general path builds.
+            return _new_row((request.request_id,
+                             (all_ids[start],) if start < num_tokens else _PLACEHOLDER_ROW,
+                             start, self.kv.block_table(request.request_id),
+                             end == num_tokens + pending, params, (), (), (), None))
+        history = request.needs_history
+        tokens = all_ids[start:end]
         if len(tokens) < num_new:  # the worker fills these in from the step in flight
             tokens += [PLACEHOLDER_TOKEN_ID] * (num_new - len(tokens))
         banned: tuple[int, ...] = ()
@@ -167,7 +204,7 @@ class Scheduler:
             token_ids=tuple(tokens),
             start_pos=start,
             block_ids=self.kv.block_table(request.request_id),
-            sample=end == request.num_tokens + pending,
+            sample=end == num_tokens + pending,
             sampling_params=params,
             prompt_token_ids=tuple(request.prompt_token_ids) if history else (),
             output_token_ids=tuple(request.output_token_ids) if history else (),
@@ -203,10 +240,16 @@ class Scheduler:
         return touched
 
     def _check_stop(self, request: Request) -> None:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
         self.stats.num_generation_tokens += 1
-        if request.num_output_tokens >= params.min_tokens:
+        self._apply_stop(request, request.output_token_ids[-1])
+
+    def _apply_stop(self, request: Request, token: int) -> None:
+        """Ends the request if its newest token `token` stops it (EOS, a stop token, max_tokens
+        or max_model_len). Nothing can stop it unless the token is an EOS or stop id or a
+        length limit is reached: callers may skip the call otherwise."""
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 return
@@ -214,8 +257,8 @@ class Scheduler:
                 request.stop_reason = token
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-        if request.num_output_tokens >= request.max_tokens or \
-                request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or \
+                len(request.all_token_ids) >= self.max_model_len:
             self.finish(request, RequestStatus.FINISHED_LENGTH)
 
     def finish(self, request: Request, status: RequestStatus) -> None:

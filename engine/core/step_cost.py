@@ -52,9 +52,21 @@ def step_features(rows: Iterable[tuple[int, int]]) -> Features:
 
 
 def batch_features(batch: SchedulerOutput) -> Features:
-    """Features of a scheduled batch."""
-    return step_features((len(r.token_ids), r.start_pos + len(r.token_ids))
-                         for r in batch.requests)
+    """Features of a scheduled batch (step_features over its rows, in one plain loop: it runs
+    after every step)."""
+    tokens = decodes = decode_ctx = prefill_ctx = prefill_qk = 0
+    for row in batch.requests:
+        num_query = len(row.token_ids)
+        tokens += num_query
+        if num_query == 1:
+            decodes += 1
+            decode_ctx += row.start_pos + 1
+        else:
+            context = row.start_pos + num_query
+            prefill_ctx += context
+            prefill_qk += num_query * context
+    return (1.0, float(tokens), float(decodes), float(decode_ctx), float(prefill_ctx),
+            float(prefill_qk))
 
 
 def add_features(x: Features, y: Features) -> Features:

@@ -55,15 +55,30 @@ def with_history(rows: list[ScheduledRequest], previous: Mapping[str, int]
 
 def decode_batch(batch: SchedulerOutput, block_size: int, graphs: DecodeGraphRunner | None,
                  previous: Mapping[str, int] = NO_TOKENS) -> DecodeBatch | None:
-    """The batch as graph-runner input when it is all decodes and a graph fits; else None."""
-    if graphs is None or not all(len(r.token_ids) == 1 and r.sample for r in batch.requests):
+    """The batch as graph-runner input when it is all decodes and a graph fits; else None.
+    One pass over the rows (it runs on the worker thread every decode step, holding the GIL
+    the event loop needs meanwhile)."""
+    if graphs is None:
         return None
     bs = block_size
-    decode = DecodeBatch(
-        token_ids=[filled_token_ids(r, previous)[0] for r in batch.requests],
-        positions=[r.start_pos for r in batch.requests],
-        slots=[r.block_ids[r.start_pos // bs] * bs + r.start_pos % bs for r in batch.requests],
-        block_tables=[list(r.block_ids) for r in batch.requests])
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    for row in batch.requests:
+        ids = row.token_ids
+        if len(ids) != 1 or not row.sample:
+            return None
+        token = ids[0]
+        if token == PLACEHOLDER_TOKEN_ID:  # as filled_token_ids
+            token = previous.get(row.request_id, 0)
+        pos, blocks = row.start_pos, row.block_ids
+        token_ids.append(token)
+        positions.append(pos)
+        slots.append(blocks[pos // bs] * bs + pos % bs)
+        tables.append(list(blocks))
+    decode = DecodeBatch(token_ids=token_ids, positions=positions, slots=slots,
+                         block_tables=tables)
     return decode if graphs.can_run(decode) else None
 
 

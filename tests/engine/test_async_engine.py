@@ -8,6 +8,7 @@ import asyncio
 import logging
 import re
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -277,6 +278,16 @@ def test_stats_line_format_and_generation_throughput(tiny_llama_dir: Path,
     async def body(engine: AsyncEngine) -> _StatsCapture:
         capture = _StatsCapture(engine)
         caplog.handler.addFilter(capture)
+        # At least 2 ms a step, so the 900 steps outlast the lines awaited however fast the
+        # engine gets (the tiny model's steps alone took well under 1 ms).
+        runner = engine.engine.runner
+        execute = runner.execute
+
+        def slow_execute(batch: Any) -> Any:
+            time.sleep(0.002)
+            return execute(batch)
+
+        runner.execute = slow_execute  # type: ignore[method-assign]
 
         async def consume(i: int) -> None:
             async for _ in engine.generate(prompts[i], greedy(900), f"s{i}"):
