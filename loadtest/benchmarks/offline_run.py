@@ -59,14 +59,18 @@ def _all_decoding(llm: LLM, num_seqs: int) -> bool:
 
 
 def _profile_steps(llm: LLM, num_steps: int) -> str:
-    """torch.profiler's top ops over `num_steps` steps run inline (schedule, execute, apply)."""
+    """torch.profiler's top ops over `num_steps` steps; the profiler runs on the worker thread,
+    where the model runs (a forward on this thread would start a second OpenMP team and slow
+    every later step: engine/worker/worker.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(num_steps):
-            batch = engine.schedule()
-            engine.apply(batch, engine.runner.execute(batch))  # inline: the profiler sees it
+    prof = profile(activities=[ProfilerActivity.CPU])
+    engine.worker.call(prof.start)
+    for _ in range(num_steps):
+        batch = engine.schedule()
+        engine.apply(batch, engine.worker.submit(batch).result()[0])
+    engine.worker.call(prof.stop)
     return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

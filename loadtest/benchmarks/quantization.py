@@ -127,7 +127,10 @@ def measure_run(method: str, dtype: str, ctx: SuiteContext, w: Workload, text: l
         row: dict[str, Any] = {"quantization": method, "dtype": dtype,
                                "weight_bytes": runner.weight_bytes(), "load_s": load_s,
                                "kernels": kernels(runner)}
-        row["perplexity"] = timed(lambda: perplexity(runner, text, w.window, w.stride), 0.0)
+        # On the engine's worker thread, as its steps run: a forward from this thread would
+        # start a second OpenMP team and slow both (engine/worker/worker.py).
+        row["perplexity"] = timed(lambda: llm.engine.worker.call(
+            perplexity, runner, text, w.window, w.stride), 0.0)
         row["batch1"] = decode_rate(llm, decode_prompts[:1], w.batch1_steps)
         row["batch"] = decode_rate(llm, decode_prompts, w.batch_steps)
         row["completions"] = greedy_chat(llm, prompts, w.max_tokens)
