@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import statistics
 import time
@@ -166,7 +167,10 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     work = make_workloads(cfg, mc)
     env = environment(cfg.threads, "python -m loadtest.benchmarks.offline")
     print(f"threads={cfg.threads} torch={env['torch']} cpu={env['cpu']}", flush=True)
-    rates = measure_machine(cfg, mc.hidden_size, mc.intermediate_size)
+    # On a thread that then exits (its OpenMP team with it): a team left on this thread would
+    # halve the speed of the kvserve engine's worker thread (engine/worker/worker.py).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        rates = pool.submit(measure_machine, cfg, mc.hidden_size, mc.intermediate_size).result()
     kv = run_kvserve(cfg, cfg.dtype, work["prompts"], work["decode"], work["batch1"])
     gc.collect()
     bf16 = None
