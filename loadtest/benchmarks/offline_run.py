@@ -29,6 +29,9 @@ from loadtest.benchmarks.offline_report import build_report
 # ---- kvserve ------------------------------------------------------------------------------
 
 
+MAX_SETUP_STEPS = 100_000  # steps to bring every prompt to decoding before giving up
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     """Greedy, fixed-length sampling params (EOS ignored)."""
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -53,10 +56,12 @@ def kvserve_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> d
 
 
 def _all_decoding(llm: LLM, num_seqs: int) -> bool:
-    """Whether exactly `num_seqs` requests run and each has one token left to compute."""
+    """Whether exactly `num_seqs` requests run, each past its prompt with at most one token left
+    to compute (none while async scheduling has its next token in flight)."""
     sched = llm.engine.scheduler
     return (len(sched.running) == num_seqs and not sched.waiting and
-            all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running))
+            all(r.num_computed_tokens >= r.num_prompt_tokens and
+                r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running))
 
 
 def _profile_steps(llm: LLM, num_steps: int) -> str:
@@ -81,8 +86,12 @@ def kvserve_decode(llm: LLM, prompts: list[list[int]], num_steps: int, profile: 
     engine = llm.engine
     ids = [engine.add_request(None, {"prompt_token_ids": p}, greedy(num_steps + 8))
            for p in prompts]
-    while not _all_decoding(llm, len(prompts)):
+    for _ in range(MAX_SETUP_STEPS):
+        if _all_decoding(llm, len(prompts)):
+            break
         engine.step()
+    else:
+        raise RuntimeError(f"the {len(prompts)} prompts never all reached decoding")
     steps, workers, contexts = [], [], []
     for _ in range(num_steps):
         contexts.append(statistics.fmean(r.num_tokens for r in engine.scheduler.running))

@@ -111,3 +111,18 @@ def test_other_cpu_values_walks_nested_results() -> None:
 def test_faster_names_the_winner_and_its_margin() -> None:
     assert faster(("float32", 150.0), ("bfloat16", 50.0)) == "float32 (3.00x)"
     assert faster(("float32", 10.0), ("bfloat16", 12.5)) == "bfloat16 (1.25x)"
+
+
+def test_kvserve_decode_reaches_all_decoding_with_async_scheduling(tiny_llama_dir: Path) -> None:
+    """The timed decode steps start once every prompt decodes; with async scheduling a request's
+    next token is already in flight then (it never has exactly one token left), which once made
+    this loop spin forever."""
+    from engine import LLM
+    from loadtest.benchmarks.offline_run import kvserve_decode
+
+    llm = LLM(str(tiny_llama_dir), async_scheduling=True, kv_cache_memory_bytes=2**20)
+    try:
+        result = kvserve_decode(llm, [[5, 6, 7], [8, 9, 10, 11]], 3, False)
+    finally:
+        llm.engine.shutdown()
+    assert result["tokens_per_s"] > 0
