@@ -3,6 +3,8 @@ roofline arithmetic, tables, contention accounting (no timing)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from loadtest.benchmarks.common import (
