@@ -42,7 +42,60 @@ class RankDiedError(RuntimeError):
     """A tensor-parallel rank's process exited: the engine cannot run another step."""
 
 
-class TensorParallelLauncher:
+class RankProcesses:
+    """The spawned ranks' side shared by the tensor- and pipeline-parallel launchers: noticing
+    a rank that exited and stopping them all. Subclasses set `procs`, `_died`, `_closed`,
+    `groups` (once formed) and name their ranks."""
+
+    procs: list[BaseProcess]
+    _died: str | None
+    _closed: bool
+    KIND = "tensor-parallel"
+    # Whether shutdown tries SIGTERM before SIGKILL (pipeline stages ignore SIGTERM).
+    TERMINATE = True
+
+    def _name(self, rank: int) -> str:
+        raise NotImplementedError
+
+    def dead_rank(self) -> str | None:
+        """Why the engine cannot step any more (a rank exited), or None while all live."""
+        if self._died is None and not self._closed:
+            for rank, proc in enumerate(self.procs, start=1):
+                if not proc.is_alive():
+                    self._died = (f"{self._name(rank)} (pid {proc.pid}) exited with code "
+                                  f"{proc.exitcode}")
+                    logger.error("%s: the engine cannot run more steps", self._died)
+                    break
+        return self._died
+
+    def check_alive(self) -> None:
+        """Raises RankDiedError when a rank has exited."""
+        reason = self.dead_rank()
+        if reason is not None:
+            raise RankDiedError(reason)
+
+    def shutdown(self) -> None:
+        """Stops every rank: SHUTDOWN to live ones, then terminate and kill what stays."""
+        if self._closed:
+            return
+        groups = getattr(self, "groups", None)
+        if groups is not None and self.dead_rank() is None:
+            try:
+                StepBroadcaster(groups, self.check_alive).send_shutdown()
+            except Exception:  # a rank died meanwhile: terminate below
+                logger.warning("%s shutdown: a rank did not take SHUTDOWN", self.KIND)
+        self._closed = True
+        for proc in self.procs:
+            proc.join(JOIN_SECONDS)
+            if proc.is_alive() and self.TERMINATE:
+                proc.terminate()
+                proc.join(JOIN_SECONDS)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class TensorParallelLauncher(RankProcesses):
     """Starts and owns ranks 1..N-1 of one engine; `groups` is rank 0's view."""
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int,
@@ -112,42 +165,8 @@ class TensorParallelLauncher:
             raise
         model.driver = StepBroadcaster(self.groups, self.check_alive)
 
-    def dead_rank(self) -> str | None:
-        """Why the engine cannot step any more (a rank exited), or None while all live."""
-        if self._died is None and not self._closed:
-            for rank, proc in enumerate(self.procs, start=1):
-                if not proc.is_alive():
-                    self._died = (f"tensor-parallel rank {rank} (pid {proc.pid}) exited with "
-                                  f"code {proc.exitcode}")
-                    logger.error("%s: the engine cannot run more steps", self._died)
-                    break
-        return self._died
-
-    def check_alive(self) -> None:
-        """Raises RankDiedError when a rank has exited."""
-        reason = self.dead_rank()
-        if reason is not None:
-            raise RankDiedError(reason)
-
-    def shutdown(self) -> None:
-        """Stops every rank: SHUTDOWN to live ones, then terminate and kill what stays."""
-        if self._closed:
-            return
-        groups = getattr(self, "groups", None)
-        if groups is not None and self.dead_rank() is None:
-            try:
-                StepBroadcaster(groups, self.check_alive).send_shutdown()
-            except Exception:  # a rank died meanwhile: terminate below
-                logger.warning("tensor-parallel shutdown: a rank did not take SHUTDOWN")
-        self._closed = True
-        for proc in self.procs:
-            proc.join(JOIN_SECONDS)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(JOIN_SECONDS)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+    def _name(self, rank: int) -> str:
+        return f"tensor-parallel rank {rank}"
 
 
 def start_tensor_parallel(args: EngineArgs, model_config: ModelConfig, max_model_len: int,

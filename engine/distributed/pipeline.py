@@ -23,7 +23,7 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from engine.config import EngineArgs, ModelConfig
-from engine.distributed.launcher import HOST, JOIN_SECONDS, RankDiedError
+from engine.distributed.launcher import HOST, RankProcesses
 from engine.distributed.parallel_state import (
     COLLECTIVE_TIMEOUT,
     ParallelGroups,
@@ -42,9 +42,12 @@ from engine.models.pipeline_layers import (
 logger = logging.getLogger("kvserve")
 
 
-class PipelineParallelLauncher:
+class PipelineParallelLauncher(RankProcesses):
     """Starts and owns stages 0..N-2 of one engine; `groups` is rank 0's view of all N ranks and
     `stage` its own (the last)."""
+
+    KIND = "pipeline-parallel"
+    TERMINATE = False  # the stages ignore SIGTERM (see pp_worker.run_stage)
 
     def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int,
                  device: torch.device) -> None:
@@ -122,40 +125,6 @@ class PipelineParallelLauncher:
             raise
         model.driver = StepBroadcaster(self.groups, self.check_alive)
         model.link = GroupLink(self.groups, self.stage, self.dtype)
-
-    def dead_rank(self) -> str | None:
-        """Why the engine cannot step any more (a stage exited), or None while all live."""
-        if self._died is None and not self._closed:
-            for rank, proc in enumerate(self.procs, start=1):
-                if not proc.is_alive():
-                    self._died = f"{self._name(rank)} (pid {proc.pid}) exited with code " \
-                                 f"{proc.exitcode}"
-                    logger.error("%s: the engine cannot run more steps", self._died)
-                    break
-        return self._died
-
-    def check_alive(self) -> None:
-        """Raises RankDiedError when a stage has exited."""
-        reason = self.dead_rank()
-        if reason is not None:
-            raise RankDiedError(reason)
-
-    def shutdown(self) -> None:
-        """Stops every stage: SHUTDOWN to live ones, then terminate and kill what stays."""
-        if self._closed:
-            return
-        groups = getattr(self, "groups", None)
-        if groups is not None and self.dead_rank() is None:
-            try:
-                StepBroadcaster(groups, self.check_alive).send_shutdown()
-            except Exception:  # a stage died meanwhile: terminate below
-                logger.warning("pipeline-parallel shutdown: a stage did not take SHUTDOWN")
-        self._closed = True
-        for proc in self.procs:  # the stages ignore SIGTERM (see pp_worker.run_stage)
-            proc.join(JOIN_SECONDS)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
 
 
 def start_pipeline_parallel(args: EngineArgs, model_config: ModelConfig, max_model_len: int,
