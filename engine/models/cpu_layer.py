@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer
 
 # Linear kinds as decoder_layer.cpp numbers them.
-DENSE, PACKED, INT4, INT8 = 0, 1, 2, 3
+DENSE, PACKED, INT4, INT8, INT4_TILES, INT8_TILES = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,11 @@ def linear_spec(module: nn.Module, dtype: torch.dtype) -> LinearSpec | None:
     if method.plan.compute_dtype != dtype:
         return None
     tensors = module.tensors()
+    if "layout_tiles" in tensors:
+        kind, scales = ((INT4_TILES, tensors["scale_mins"]) if isinstance(method, Int4Method)
+                        else (INT8_TILES, tensors["scales"]))
+        return LinearSpec(kind, 0, (tensors["qweight"], scales, module.bias),
+                          method.fused_rows_limit(tensors))
     if isinstance(method, Int4Method) and "layout_kernel" in tensors:
         group = module.in_features // tensors["scale_zeros"].shape[0]
         return LinearSpec(INT4, group, (tensors["qweight"], tensors["scale_zeros"], module.bias),

@@ -40,8 +40,11 @@ logger = logging.getLogger("kvserve")
 # but never below int8 (see README, "Weight-only quantization", for the measurements).
 LM_HEAD_METHOD = {"int8": "int8", "int4": "int8", "gguf": "int8"}
 # Relative error the startup probe allows between the fused kernel and the dequantized
-# reference, by compute dtype (bf16 activations round to 8 bits of mantissa).
+# reference, by compute dtype (bf16 activations round to 8 bits of mantissa). kvserve's tiled
+# kernels quantize the activations to int8 per block of 32 (GGUF's Q8 blocks): measured up to
+# 1.0e-2 of the largest output on random data, so they get TILED_PROBE_TOLERANCE.
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+TILED_PROBE_TOLERANCE = 3e-2
 
 
 def apply_plan(method: str, model_dtype: torch.dtype, device: torch.device) -> ApplyPlan:
@@ -99,7 +102,9 @@ def _run_probe(method: LinearMethod) -> str | None:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     want = x.float() @ method.dequantize(tensors).float().t()
     error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
-    if not error <= PROBE_TOLERANCE.get(dtype, 2e-2):
+    tolerance = max(PROBE_TOLERANCE.get(dtype, 2e-2),
+                    TILED_PROBE_TOLERANCE if "layout_tiles" in tensors else 0.0)
+    if not error <= tolerance:
         return f"result off by {error:.2e} of its largest value"
     return None
 

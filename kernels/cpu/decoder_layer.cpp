@@ -9,6 +9,8 @@
 //   kind 2  int4 codes in torch's CPU pack, scale/zeros     aten::_weight_int4pack_mm_for_cpu
 //           (param: the group size) (+ bias)
 //   kind 3  int8 codes, per-channel scales (+ bias)         aten::_weight_int8pack_mm
+//   kind 4  int4 tiles, scales and mins (+ bias)            q4_linear (qgemm.cpp)
+//   kind 5  int8 tiles, per-channel scales (+ bias)         q8_linear (qgemm.cpp)
 //
 // and falls back to its Python forward for anything else (prefill rows, tensor parallel).
 
@@ -56,6 +58,12 @@ at::Tensor linear(const at::Tensor& x, int64_t index, at::IntArrayRef kinds,
       break;
     case 3:
       y = at::_weight_int8pack_mm(x, *a, *b);
+      break;
+    case 4:
+      y = q4_linear(x, *a, *b, 0);
+      break;
+    case 5:
+      y = q8_linear(x, *a, *b, 0);
       break;
     default:
       TORCH_CHECK(false, "decoder_layer_: unknown linear kind ", kinds[index]);

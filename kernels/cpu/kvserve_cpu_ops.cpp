@@ -12,13 +12,17 @@
 //                     torch ops, rounding where the torch formulation rounds (so bfloat16
 //                     results match the eager model's).
 //
+//   q4_linear, q8_linear
+//                     weight-only int4 (blocks of 32) and int8 (per row) linear layers, with
+//                     in tiles of 16 rows for AVX512-VNNI's int8 dot product (qgemm.cpp);
 //   decoder_layer_    a whole decode layer from those and torch's matmuls (decoder_layer.cpp).
 //
 // The ops are registered for the CPU dispatch key (decoder_layer_ also for MkldnnCPU, where
 // oneDNN-packed weights send it); the tests hold each one to its torch twin
 // (tests/kernels/test_cpu_ops.py).
 //
-// This file registers the ops; attention.cpp, elementwise.cpp and decoder_layer.cpp hold them.
+// This file registers the ops; attention.cpp, elementwise.cpp, qgemm.cpp and decoder_layer.cpp
+// hold them.
 
 #include <torch/library.h>
 
@@ -38,6 +42,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
         "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor norm1, Tensor norm2, float eps, int[] kinds, int[] params, Tensor?[] linears, "
         "int[] heads, float scale, int sliding_window, float k_scale, float v_scale) -> ()");
+  m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale_mins, int path=0) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int path=0) -> Tensor");
+  m.def("int8_dot_available() -> bool", &kvserve::int8_dot_available);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -48,6 +55,8 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &kvserve::silu_and_mul);
   m.impl("rotary_", &kvserve::rotary_);
   m.impl("decoder_layer_", &kvserve::decoder_layer_);
+  m.impl("q4_linear", &kvserve::q4_linear);
+  m.impl("q8_linear", &kvserve::q8_linear);
 }
 
 // A layer whose weights oneDNN packed holds MkldnnCPU tensors: the call dispatches there.

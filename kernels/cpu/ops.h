@@ -20,6 +20,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor h, at::Tensor residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+bool int8_dot_available();  // whether q4/q8_linear were built with AVX512-VNNI
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scale_mins, int64_t path);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     int64_t path);
 void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens,

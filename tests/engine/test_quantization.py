@@ -2,7 +2,9 @@
 kernel is missing or wrong, quality against the float model, resident bytes and `kvserve plan`.
 
 The session sees a CPU without native bf16 (tests/conftest.py), so float32 models take the
-dequantize path; bfloat16 models, or flags faked with avx512_bf16, take the fused kernels.
+dequantize path; bfloat16 models, or flags faked with avx512_bf16, take the fused kernels:
+kvserve's tiled ones where its C++ ops were built with AVX512-VNNI (the `layout` fixture's
+"tiles"), else torch's ("torch", also forced on such a machine by hiding the tiled ops).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engine.quantization import (
     QuantizedLinear,
     apply_plan,
     quantized_weight_bytes,
+    tiles,
 )
 from tests.support.greedy import logprob_agreement, tokens_and_logprobs
 
@@ -39,6 +42,27 @@ def _weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(out_features, in_features, generator=gen) * 0.05
 
 
+# Relative error of the tiled kernels (int8 activations per block of 32) against the
+# dequantized reference; torch's kernels keep float activations.
+TILED_TOLERANCE = 1.5e-2
+
+
+@pytest.fixture(params=["torch", "tiles"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which fused layouts quantized layers take: torch's (tiled ops hidden) or kvserve's."""
+    if request.param == "torch":
+        monkeypatch.setattr(tiles, "tile_ops", lambda: None)
+    elif tiles.tile_ops() is None:
+        pytest.skip("kvserve's tiled kernels need its C++ ops built with AVX512-VNNI")
+    return str(request.param)
+
+
+@pytest.fixture
+def torch_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized layers take torch's layouts and kernels (the tests of their fallbacks)."""
+    monkeypatch.setattr(tiles, "tile_ops", lambda: None)
+
+
 def _method(name: str, mode: str, dtype: torch.dtype, group: int | None = None
             ) -> Int8Method | Int4Method:
     plan = ApplyPlan(mode, dtype)
@@ -49,7 +73,7 @@ def _method(name: str, mode: str, dtype: torch.dtype, group: int | None = None
 @pytest.mark.parametrize("name, group", [("int8", None), ("int4", 32), ("int4", 64),
                                          ("int4", 128)])
 def test_fused_kernel_matches_the_dequantized_reference(name: str, group: int | None,
-                                                        dtype: torch.dtype) -> None:
+                                                        dtype: torch.dtype, layout: str) -> None:
     linear = torch.nn.Linear(256, 96, bias=True)
     with torch.no_grad():
         linear.weight.copy_(_weight(96, 256))
@@ -58,8 +82,9 @@ def test_fused_kernel_matches_the_dequantized_reference(name: str, group: int | 
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = layer(x).float()
     assert layer.bias is not None
+    assert ("layout_tiles" in layer.tensors()) == (layout == "tiles")
     want = x.float() @ layer.dequantized_weight().float().t() + layer.bias.float()
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = TILED_TOLERANCE if layout == "tiles" else 1e-4 if dtype == torch.float32 else 2e-2
     assert (got - want).abs().max() <= tol * want.abs().max()
 
 
@@ -78,14 +103,16 @@ def test_dequantized_weight_is_within_half_a_step(name: str, group: int | None,
     assert ((w - weight).abs() <= bound * step_range + 1e-6).all()
 
 
-def test_int4_kernel_and_nibble_layouts_hold_the_same_codes() -> None:
+def test_int4_fused_and_nibble_layouts_hold_the_same_codes(layout: str) -> None:
     weight = _weight(64, 128)
     fused = Int4Method(ApplyPlan("fused", torch.float32), 32)
     nibbles = Int4Method(ApplyPlan("dequant", torch.float32), 32)
     a, b = fused.create_weights(weight), nibbles.create_weights(weight)
-    assert "layout_kernel" in a and "layout_nibbles" in b
+    assert {"torch": "layout_kernel", "tiles": "layout_tiles"}[layout] in a
+    assert "layout_nibbles" in b
     assert torch.equal(fused.unpack_codes(a), nibbles.unpack_codes(b))
-    assert torch.equal(fused.dequantize(a), nibbles.dequantize(b))
+    # tiles keep w = q x scale + min, the others (q - 8) x scale + zero: equal up to rounding
+    torch.testing.assert_close(fused.dequantize(a), nibbles.dequantize(b), rtol=0, atol=1e-6)
     assert a["qweight"].numel() == b["qweight"].numel() == 64 * 128 // 2
 
 
@@ -198,7 +225,7 @@ def _wrong(x: torch.Tensor, weight: torch.Tensor, *rest: object) -> torch.Tensor
                                         ("int4", "_weight_int4pack_mm_for_cpu")])
 @pytest.mark.parametrize("fault, reason", [(_missing, "AttributeError"), (_wrong, "result off")])
 def test_a_missing_or_wrong_kernel_falls_back_to_dequantize(
-        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, torch_layouts: None,
         caplog: pytest.LogCaptureFixture, method: str, op: str, fault: object,
         reason: str) -> None:
     fused = _greedy(LLM(str(tiny_llama_dir), dtype="bfloat16", quantization=method,
@@ -316,7 +343,8 @@ def test_smollm2_quality(method: str, min_agree: float, max_mad: float) -> None:
     assert agree >= min_agree and mad <= max_mad and rule, (agree, mad, rule)
 
 
-def test_int8_dequantizes_above_its_row_crossover(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int8_dequantizes_above_its_row_crossover(monkeypatch: pytest.MonkeyPatch,
+                                                 torch_layouts: None) -> None:
     linear = torch.nn.Linear(64, 48, bias=False)
     layer = QuantizedLinear(linear, _method("int8", "fused", torch.bfloat16))
     assert layer.fused and Int8Method.max_fused_rows is not None

@@ -1,0 +1,98 @@
+"""The tiled weight layouts of kvserve's C++ quantized linears (kernels/cpu/qgemm.cpp).
+
+Weights come in tiles of 16 output rows: the 16 lanes of an AVX512-VNNI dot product are 16
+rows, each summing 4 consecutive inputs, so a block of 32 inputs is 8 operands of 64 bytes.
+
+- int4: block b of tile t is 256 bytes, 4 runs of 64; run j holds operand j in its low nibbles
+  and operand j + 4 in its high ones; byte 4l + i of operand c is row l's input 32b + 4c + i.
+  Scales and mins: [tiles, groups, 2, 16] (w = scale x q + min).
+- int8: block b of tile t is its 8 operands of 64 bytes, [tiles, blocks x 512].
+
+`pack_*` turn codes [out, in] into a layout, `unpack_*` return them (the tests and
+`dequantize` read weights back through them), `int8_rows` reads single rows (a tied
+embedding's lookup).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels import cpu_ops
+
+TILE_ROWS = 16
+BLOCK = 32
+
+
+def tile_ops() -> Any | None:
+    """kvserve's C++ ops when they were built with the int8 dot product (AVX512-VNNI) that
+    makes the tiled kernels fast, else None (torch's kernels and layouts are kept)."""
+    ops = cpu_ops.load()
+    return ops if ops is not None and ops.int8_dot_available() else None
+
+
+def tiles_fit(out_features: int, in_features: int) -> bool:
+    """Whether a weight [out, in] has a tiled layout (16 rows per tile, 32 inputs per block)."""
+    return out_features % TILE_ROWS == 0 and in_features % BLOCK == 0
+
+
+def _operands(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [tiles, blocks, 8 operands, 16 rows, 4 inputs]."""
+    out_features, in_features = codes.shape
+    tiles, blocks = out_features // TILE_ROWS, in_features // BLOCK
+    return codes.reshape(tiles, TILE_ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+
+
+def _from_operands(ops: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_operands`."""
+    tiles, blocks = ops.shape[0], ops.shape[1]
+    return ops.permute(0, 3, 1, 2, 4).reshape(tiles * TILE_ROWS, blocks * BLOCK)
+
+
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [out, in] in 0..15, scales and mins [out, groups] -> (qweight, scale_mins)."""
+    out_features, in_features = codes.shape
+    if not tiles_fit(out_features, in_features):
+        raise ValueError(f"an int4 tile layout needs out % {TILE_ROWS} and in % {BLOCK} == 0, "
+                         f"got [{out_features}, {in_features}]")
+    ops = _operands(codes.to(torch.uint8))
+    runs = ops[:, :, :4] | (ops[:, :, 4:] << 4)  # [tiles, blocks, 4, 16, 4]
+    qweight = runs.reshape(out_features // TILE_ROWS, -1).contiguous()
+    groups = scales.shape[1]
+    planes = torch.stack((scales, mins), dim=1).to(dtype)  # [out, 2, groups]
+    scale_mins = planes.reshape(-1, TILE_ROWS, 2, groups).permute(0, 3, 2, 1).contiguous()
+    return qweight, scale_mins
+
+
+def unpack_int4(qweight: torch.Tensor, scale_mins: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight, scale_mins) -> codes [out, in] int32, scales and mins [out, groups]."""
+    tiles = qweight.shape[0]
+    runs = qweight.reshape(tiles, -1, 4, TILE_ROWS, 4)
+    ops = torch.cat((runs & 0xF, runs >> 4), dim=2)
+    codes = _from_operands(ops).to(torch.int32)
+    planes = scale_mins.permute(0, 3, 2, 1).reshape(tiles * TILE_ROWS, 2, -1)
+    return codes, planes[:, 0], planes[:, 1]
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [out, in] -> the tiled layout [tiles, blocks x 512]."""
+    out_features, in_features = codes.shape
+    if not tiles_fit(out_features, in_features):
+        raise ValueError(f"an int8 tile layout needs out % {TILE_ROWS} and in % {BLOCK} == 0, "
+                         f"got [{out_features}, {in_features}]")
+    return _operands(codes).reshape(out_features // TILE_ROWS, -1).contiguous()
+
+
+def unpack_int8(qweight: torch.Tensor) -> torch.Tensor:
+    """The tiled layout -> int8 codes [out, in]."""
+    return _from_operands(qweight.reshape(qweight.shape[0], -1, 8, TILE_ROWS, 4))
+
+
+def int8_rows(qweight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of a tiled int8 weight's codes, [len(rows), in]."""
+    ops = qweight.reshape(qweight.shape[0], -1, 8, TILE_ROWS, 4)
+    picked = ops[rows // TILE_ROWS, :, :, rows % TILE_ROWS]  # [len, blocks, 8, 4]
+    return picked.reshape(rows.shape[0], -1)
