@@ -17,6 +17,7 @@
 
 #include "convert.h"
 #include "ops.h"
+#include "paged.h"
 
 namespace kvserve {
 namespace {
@@ -33,40 +34,6 @@ inline void load_row(const T* src, float* dst, int64_t dim, const float*) {
 template <>
 inline void load_row<uint8_t>(const uint8_t* src, float* dst, int64_t dim, const float* table) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = table[src[d]];
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), in a form the compiler vectorises:
-// x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, times 2^k built in
-// the exponent bits; relative error under 4e-6 over [-87, 0] (measured). Below -87 it returns
-// e^-87, a weight no softmax sum notices.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float k = std::nearbyint(x * 1.44269504f);
-  const float r = x - k * 0.693145752f - k * 1.42860677e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// Calls fn(index from `first`, cache slot) for positions first..end-1 of a sequence whose
-// blocks `table_row` lists: block by block, no division per position.
-template <typename Fn>
-inline void for_each_slot(const int32_t* table_row, int64_t block_size, int64_t first,
-                          int64_t end, Fn&& fn) {
-  for (int64_t b = first / block_size; b * block_size < end; ++b) {
-    const int64_t start = b * block_size, base = static_cast<int64_t>(table_row[b]) * block_size;
-    for (int64_t pos = std::max(first, start); pos < std::min(end, start + block_size); ++pos) {
-      fn(pos - first, base + pos - start);
-    }
-  }
 }
 
 template <typename QT, typename KT>
@@ -88,18 +55,12 @@ void decode_attention_kernel(at::Tensor& out, const at::Tensor& query, const at:
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale), fv_scale = static_cast<float>(v_scale);
 
-  // Work items: a sequence's KV heads in `chunks` runs, each item reading its heads' part of
-  // every cache row once (one contiguous run per token). One run per sequence when there are
-  // enough sequences to keep the threads busy; at batch 1 the heads split over the threads.
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunks = std::min<int64_t>(
-      kv_heads, std::max<int64_t>(1, (2 * threads + num_seqs - 1) / num_seqs));
-  const int64_t per_chunk = (kv_heads + chunks - 1) / chunks;
+  const WorkSplit split(num_seqs, kv_heads, at::get_num_threads());
+  const int64_t chunks = split.chunks, per_chunk = split.per_chunk;
 
   at::parallel_for(0, num_seqs * chunks, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = per_chunk * dim, rows_q = per_chunk * group;
-    std::vector<float> qf(rows_q * dim), acc(rows_q * dim), row(width), scores, maxes(rows_q),
-        sums(rows_q);
+    std::vector<float> qf(rows_q * dim), acc(rows_q * dim), row(width), scores, sums(rows_q);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / chunks, g0 = (item % chunks) * per_chunk;
       const int64_t g1 = std::min(kv_heads, g0 + per_chunk);
@@ -113,7 +74,6 @@ void decode_attention_kernel(at::Tensor& out, const at::Tensor& query, const at:
         for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_f(q[d]) * fscale;
       }
       scores.assign(nq * std::max<int64_t>(n, 1), 0.0f);
-      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<float>::infinity());
       const int32_t* table_row = bt + s * bt_s0;
       for_each_slot(table_row, block_size, first, ctx, [&](int64_t p, int64_t slot) {
         load_row<KT>(k_ptr + (slot * kv_heads + g0) * dim, row.data(), (g1 - g0) * dim, table);
@@ -124,28 +84,9 @@ void decode_attention_kernel(at::Tensor& out, const at::Tensor& query, const at:
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
           scores[h * n + p] = dot;
-          maxes[h] = std::max(maxes[h], dot);
         }
       });
-      for (int64_t h = 0; h < nq; ++h) {
-        float* sc = scores.data() + h * n;
-        const float m = maxes[h];
-#pragma omp simd
-        for (int64_t p = 0; p < n; ++p) sc[p] -= m;
-      }
-      if (n > 0) {  // a scalar std::exp per score was a third of the kernel's time (and ATen's
-                    // exp_ may not be called here: a nested parallel region stalls every team)
-        float* sc = scores.data();
-#pragma omp simd
-        for (int64_t i = 0; i < nq * n; ++i) sc[i] = exp_nonpositive(sc[i]);
-      }
-      for (int64_t h = 0; h < nq; ++h) {
-        const float* sc = scores.data() + h * n;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < n; ++p) sum += sc[p];
-        sums[h] = sum;
-      }
+      softmax_numerators(scores.data(), nq, n, sums.data());
       std::fill(acc.begin(), acc.end(), 0.0f);
       for_each_slot(table_row, block_size, first, ctx, [&](int64_t p, int64_t slot) {
         load_row<KT>(v_ptr + (slot * kv_heads + g0) * dim, row.data(), (g1 - g0) * dim, table);
@@ -181,6 +122,10 @@ void decode_attention_for(at::Tensor& out, const at::Tensor& query, const at::Te
   } else {
     TORCH_CHECK(kind == query.scalar_type(), "decode_attention: a non-fp8 cache must have the "
                 "query's dtype");
+    if (decode_attention_bf16(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                              window, v_scale)) {
+      return;
+    }
     decode_attention_kernel<QT, QT>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
                                     window, v_scale, nullptr);
   }

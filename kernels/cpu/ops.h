@@ -13,6 +13,12 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale, int64_t sliding_window,
                       double v_scale);
+// The bfloat16-cache decode attention with AVX512-BF16 dot products (attention_bf16.cpp);
+// false (nothing done) where it does not apply: another dtype or head size, or no AVX512-BF16.
+bool decode_attention_bf16(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double v_scale);
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
               at::Tensor v_cache, const at::Tensor& slot_mapping, double k_scale,
               double v_scale);

@@ -33,17 +33,18 @@ NUM_BLOCKS, HEAD_DIM = 64, 32
 def attention_case(query_lens: list[int], context_lens: list[int], *, heads: int = 4,
                    kv_heads: int = 2, dtype: torch.dtype = torch.float32,
                    cache_dtype: torch.dtype | None = None, window: int | None = None,
-                   block_size: int = 16, scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                   block_size: int = 16, scales: tuple[float, float] = (1.0, 1.0),
+                   head_dim: int = HEAD_DIM) -> None:
     """The CPU backend's attention equals the torch twin's on one random batch."""
     torch.manual_seed(sum(query_lens) + sum(context_lens) + heads + block_size)
     cache_dtype = cache_dtype or dtype
     num_blocks = NUM_BLOCKS + sum(-(-(c + q) // block_size)
                                   for q, c in zip(query_lens, context_lens, strict=True))
     meta = make_meta(query_lens, context_lens, num_blocks, window, block_size)
-    k_cache = random_cache(num_blocks, block_size, kv_heads, HEAD_DIM, cache_dtype, scales[0])
-    v_cache = random_cache(num_blocks, block_size, kv_heads, HEAD_DIM, cache_dtype, scales[1])
-    query = torch.randn(sum(query_lens), heads, HEAD_DIM).to(dtype)
-    scale = HEAD_DIM ** -0.5
+    k_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, scales[0])
+    v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, scales[1])
+    query = torch.randn(sum(query_lens), heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
     want = torch_ops.unified_attention(query, k_cache, v_cache, meta, scale, *scales)
     meta._torch_plan = None
     got = CpuAttentionBackend(OPS).attention(query, k_cache, v_cache, meta, scale, *scales)
@@ -56,6 +57,18 @@ def attention_case(query_lens: list[int], context_lens: list[int], *, heads: int
 def test_decode_attention_matches_torch(dtype: torch.dtype, group: tuple[int, int]) -> None:
     attention_case([1, 1, 1, 1], [0, 5, 40, 130], heads=group[0], kv_heads=group[1],
                    dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [(4, 4), (6, 2), (8, 1), (12, 1)])
+@pytest.mark.parametrize("block_size, window", [(16, None), (1, None), (32, 7)])
+def test_bf16_decode_attention_head_sizes(head_dim: int, group: tuple[int, int],
+                                          block_size: int, window: int | None) -> None:
+    """The bf16 cache's AVX512-BF16 kernel (attention_bf16.cpp: head sizes 64/128/256, query
+    heads per KV head below, at and above its register passes), or the generic one elsewhere."""
+    attention_case([1, 1, 1, 1], [0, 5, 40, 130], heads=group[0], kv_heads=group[1],
+                   dtype=torch.bfloat16, head_dim=head_dim, block_size=block_size,
+                   window=window)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32])

@@ -1,0 +1,161 @@
+// Paged decode attention over a bfloat16 cache with AVX512-BF16 (the common CPU case): the same
+// work split and softmax as attention.cpp's kernel, with the two inner loops in registers.
+//
+//   scores  q . k by `vdpbf16ps` straight from the cache's bf16 rows (products of two bf16 are
+//           exact in float; sums in float), the query heads of a KV head sharing each K row;
+//   values  each V row widened to float once per KV head and accumulated into the output rows
+//           of several query heads held in registers.
+//
+// Head sizes 64, 128 and 256 (two, four or eight 32-wide chunks); anything else, and CPUs
+// without AVX512-BF16, take the generic kernel.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <vector>
+
+#include "ops.h"
+#include "paged.h"
+
+namespace kvserve {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+namespace {
+
+struct Call {
+  const c10::BFloat16 *q, *k, *v;
+  c10::BFloat16* o;
+  const int32_t *tables, *lens;
+  int64_t q_s0, q_s1, o_s0, o_s1, bt_s0, block_size, kv_heads, group, window;
+  float scale, v_scale;
+};
+
+inline __m512 widen(const c10::BFloat16* p) {  // 16 bf16 -> float
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// Query heads per pass, so that a pass's vectors stay in registers: QK holds C chunks of each
+// head's query, PV 2C float accumulators per head.
+template <int C>
+constexpr int kQkHeads = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
+template <int C>
+constexpr int kPvHeads = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
+
+// One sequence's KV head g: scores of its query heads h0..h0+nh (rows of `scores`, n each).
+template <int C>
+void head_scores(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
+                 float* scores, int64_t n) {
+  constexpr int H = kQkHeads<C>;
+  const int64_t dim = 32 * C, h_base = g * c.group;
+  for (int64_t h0 = 0; h0 < c.group; h0 += H) {
+    const int64_t nh = std::min<int64_t>(H, c.group - h0);
+    __m512bh q[H][C];
+    for (int i = 0; i < H; ++i) {
+      const c10::BFloat16* qh = c.q + s * c.q_s0 + (h_base + h0 + std::min<int64_t>(i, nh - 1)) * c.q_s1;
+      for (int j = 0; j < C; ++j) q[i][j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(qh + 32 * j));
+    }
+    for_each_slot(c.tables + s * c.bt_s0, c.block_size, first, ctx, [&](int64_t p, int64_t slot) {
+      const c10::BFloat16* kr = c.k + (slot * c.kv_heads + g) * dim;
+      __m512bh k[C];
+      for (int j = 0; j < C; ++j) k[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kr + 32 * j));
+      for (int i = 0; i < H; ++i) {
+        if (i >= nh) break;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[i][0], k[0]);
+        for (int j = 1; j < C; ++j) dot = _mm512_dpbf16_ps(dot, q[i][j], k[j]);
+        scores[(h0 + i) * n + p] = _mm512_reduce_add_ps(dot) * c.scale;
+      }
+    });
+  }
+}
+
+// The weighted sum of V rows for KV head g's query heads, normalised, into the output.
+template <int C>
+void head_values(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
+                 const float* weights, const float* sums, int64_t n) {
+  constexpr int H = kPvHeads<C>;
+  const int64_t dim = 32 * C, h_base = g * c.group;
+  for (int64_t h0 = 0; h0 < c.group; h0 += H) {
+    const int64_t nh = std::min<int64_t>(H, c.group - h0);
+    __m512 acc[H][2 * C];
+    for (int i = 0; i < H; ++i)
+      for (int j = 0; j < 2 * C; ++j) acc[i][j] = _mm512_setzero_ps();
+    for_each_slot(c.tables + s * c.bt_s0, c.block_size, first, ctx, [&](int64_t p, int64_t slot) {
+      const c10::BFloat16* vr = c.v + (slot * c.kv_heads + g) * dim;
+      __m512 w[H];
+      for (int i = 0; i < H; ++i) w[i] = _mm512_set1_ps(i < nh ? weights[(h0 + i) * n + p] : 0.0f);
+      for (int j = 0; j < 2 * C; ++j) {
+        const __m512 v = widen(vr + 16 * j);
+        for (int i = 0; i < H; ++i) acc[i][j] = _mm512_fmadd_ps(w[i], v, acc[i][j]);
+      }
+    });
+    for (int64_t i = 0; i < nh; ++i) {
+      const float sum = sums[h0 + i];
+      const __m512 norm = _mm512_set1_ps(sum > 0.0f ? c.v_scale / sum : 0.0f);
+      c10::BFloat16* o = c.o + s * c.o_s0 + (h_base + h0 + i) * c.o_s1;
+      for (int j = 0; j < 2 * C; ++j) {
+        const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][j], norm));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), reinterpret_cast<__m256i>(r));
+      }
+    }
+  }
+}
+
+template <int C>
+void run(const Call& c, int64_t num_seqs) {
+  const WorkSplit split(num_seqs, c.kv_heads, at::get_num_threads());
+  at::parallel_for(0, num_seqs * split.chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, sums(c.group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / split.chunks, g0 = (item % split.chunks) * split.per_chunk;
+      const int64_t g1 = std::min(c.kv_heads, g0 + split.per_chunk);
+      const int64_t ctx = c.lens[s];
+      const int64_t first = c.window > 0 ? std::max<int64_t>(0, ctx - c.window) : 0;
+      const int64_t n = ctx - first;
+      scores.resize(c.group * std::max<int64_t>(n, 1));
+      for (int64_t g = g0; g < g1; ++g) {
+        head_scores<C>(c, s, g, first, ctx, scores.data(), n);
+        softmax_numerators(scores.data(), c.group, n, sums.data());
+        head_values<C>(c, s, g, first, ctx, scores.data(), sums.data(), n);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool decode_attention_bf16(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, double scale, int64_t window,
+                           double v_scale) {
+  const int64_t dim = query.size(2);
+  if (query.scalar_type() != at::kBFloat16 || k_cache.scalar_type() != at::kBFloat16 ||
+      (dim != 64 && dim != 128 && dim != 256)) {
+    return false;
+  }
+  const Call c{query.data_ptr<c10::BFloat16>(), k_cache.data_ptr<c10::BFloat16>(),
+               v_cache.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+               block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+               query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+               block_tables.stride(0), k_cache.size(1), k_cache.size(2),
+               query.size(1) / k_cache.size(2), window, static_cast<float>(scale),
+               static_cast<float>(v_scale)};
+  const int64_t num_seqs = query.size(0);
+  if (dim == 64) run<2>(c, num_seqs);
+  else if (dim == 128) run<4>(c, num_seqs);
+  else run<8>(c, num_seqs);
+  return true;
+}
+
+#else
+
+bool decode_attention_bf16(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, double, int64_t, double) {
+  return false;
+}
+
+#endif
+
+}  // namespace kvserve

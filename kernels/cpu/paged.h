@@ -1,0 +1,76 @@
+// Helpers shared by the paged decode attention kernels (attention.cpp, attention_bf16.cpp).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvserve {
+
+// exp(x) for x <= 0 (scores minus their maximum), in a form the compiler vectorises:
+// x = k ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, times 2^k built in
+// the exponent bits; relative error under 4e-6 over [-87, 0] (measured). Below -87 it returns
+// e^-87, a weight no softmax sum notices.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::nearbyint(x * 1.44269504f);
+  const float r = x - k * 0.693145752f - k * 1.42860677e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Calls fn(index from `first`, cache slot) for positions first..end-1 of a sequence whose
+// blocks `table_row` lists: block by block, no division per position.
+template <typename Fn>
+inline void for_each_slot(const int32_t* table_row, int64_t block_size, int64_t first,
+                          int64_t end, Fn&& fn) {
+  for (int64_t b = first / block_size; b * block_size < end; ++b) {
+    const int64_t start = b * block_size, base = static_cast<int64_t>(table_row[b]) * block_size;
+    for (int64_t pos = std::max(first, start); pos < std::min(end, start + block_size); ++pos) {
+      fn(pos - first, base + pos - start);
+    }
+  }
+}
+
+// Work items of a decode attention call: a sequence's KV heads in `chunks` runs of
+// `per_chunk`, each item reading its heads' part of every cache row once (one contiguous run
+// per token). One run per sequence when there are enough sequences to keep the threads busy;
+// at batch 1 the heads split over the threads.
+struct WorkSplit {
+  int64_t chunks, per_chunk;
+  WorkSplit(int64_t num_seqs, int64_t kv_heads, int64_t threads)
+      : chunks(std::min<int64_t>(kv_heads, std::max<int64_t>(1, (2 * threads + num_seqs - 1) /
+                                                                    num_seqs))),
+        per_chunk((kv_heads + chunks - 1) / chunks) {}
+};
+
+// Each of `heads` rows of n scores becomes exp(score - the row's max), in place; sums[h] gets
+// row h's sum (the softmax's denominator).
+inline void softmax_numerators(float* scores, int64_t heads, int64_t n, float* sums) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = scores + h * n;
+    float m = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) m = std::max(m, sc[p]);
+    float sum = 0.0f;
+    // a scalar std::exp per score was a third of the kernel's time (and ATen's exp_ may not be
+    // called here: a nested parallel region stalls every OpenMP team)
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < n; ++p) {
+      sc[p] = exp_nonpositive(sc[p] - m);
+      sum += sc[p];
+    }
+    sums[h] = sum;
+  }
+}
+
+}  // namespace kvserve
