@@ -20,7 +20,7 @@
 //               C++, the reference and the fallback without AVX512-VNNI;
 //   2 int8-dot  the activations quantized to int8 per block of 32 (scale max|x| / 127, as
 //               GGUF's Q8 blocks are), multiplied by the codes in integers, scaled per block in
-//               float; the mins of int4 meet exact float sums of x.
+//               float; the mins of int4 meet the sums of the quantized x.
 //
 // No ATen op is called inside the parallel regions (a nested region stalls torch's OpenMP
 // threads; see attention.cpp).
@@ -150,7 +150,7 @@ struct QuantRows {
   int64_t K, blocks, groups;
   std::vector<int8_t> q;      // [M, K]
   std::vector<float> da;      // [M, blocks] block scales
-  std::vector<float> sums;    // [M, groups] exact float sums of x per weight group
+  std::vector<float> sums;    // [M, groups] sums of the quantized x per weight group
   std::vector<float> total;   // [M] sum over blocks of scale x sum of codes
 
   template <typename T>
@@ -169,10 +169,14 @@ struct QuantRows {
         int8_t* qb = q.data() + r * K + b * kBlock;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qlo));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qhi));
+        // The sums are of the quantized x, so that int4's mins and codes meet the same x:
+        // the result is then exactly w . x' (x' the quantized x). Exact float sums instead
+        // leave sum(q x') - sum(q x), with q up to 15, uncancelled (+3% perplexity on SmolLM2).
+        const float block_sum = amax / 127.0f * static_cast<float>(_mm512_reduce_add_epi32(
+                                                     _mm512_add_epi32(qlo, qhi)));
         da[r * blocks + b] = amax / 127.0f;
-        sums[r * groups + b / per_group] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        total[r] += amax / 127.0f *
-                    static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+        sums[r * groups + b / per_group] += block_sum;
+        total[r] += block_sum;
       }
     }
   }
@@ -206,7 +210,7 @@ inline void block_dots(const __m512i (&ops)[8], const QuantRows& a, int64_t r0, 
 }
 
 template <int R, typename S, typename T>
-void q4_tile(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y) {
+void tile(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -237,7 +241,7 @@ void q4_tile(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t 
 }
 
 template <int R, typename S, typename T>
-void q8_tile(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y) {
+void tile(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -260,43 +264,27 @@ void q8_tile(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t 
   }
 }
 
-template <typename W>
-struct Tiles;
 template <typename S>
-struct Tiles<Q4<S>> {
-  template <int R, typename T>
-  static void run(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y) {
-    q4_tile<R>(w, a, t, r0, N, y);
-  }
-  static int64_t per_group(const Q4<S>& w) { return w.per_group; }
-};
+int64_t blocks_per_group(const Q4<S>& w) { return w.per_group; }
 template <typename S>
-struct Tiles<Q8<S>> {
-  template <int R, typename T>
-  static void run(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y) {
-    q8_tile<R>(w, a, t, r0, N, y);
-  }
-  static int64_t per_group(const Q8<S>& w) { return w.blocks; }
-};
-
+int64_t blocks_per_group(const Q8<S>& w) { return w.blocks; }
 template <typename W, typename T>
 void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
-  using Tl = Tiles<W>;
-  const QuantRows a(x, M, K, Tl::per_group(w));
+  const QuantRows a(x, M, K, blocks_per_group(w));
   at::parallel_for(0, N / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t r = 0;
       for (; r + kMaxRowsPerPass <= M; r += kMaxRowsPerPass) {
-        Tl::template run<kMaxRowsPerPass>(w, a, t, r, N, y);
+        tile<kMaxRowsPerPass>(w, a, t, r, N, y);
       }
       switch (M - r) {
-        case 7: Tl::template run<7>(w, a, t, r, N, y); break;
-        case 6: Tl::template run<6>(w, a, t, r, N, y); break;
-        case 5: Tl::template run<5>(w, a, t, r, N, y); break;
-        case 4: Tl::template run<4>(w, a, t, r, N, y); break;
-        case 3: Tl::template run<3>(w, a, t, r, N, y); break;
-        case 2: Tl::template run<2>(w, a, t, r, N, y); break;
-        case 1: Tl::template run<1>(w, a, t, r, N, y); break;
+        case 7: tile<7>(w, a, t, r, N, y); break;
+        case 6: tile<6>(w, a, t, r, N, y); break;
+        case 5: tile<5>(w, a, t, r, N, y); break;
+        case 4: tile<4>(w, a, t, r, N, y); break;
+        case 3: tile<3>(w, a, t, r, N, y); break;
+        case 2: tile<2>(w, a, t, r, N, y); break;
+        case 1: tile<1>(w, a, t, r, N, y); break;
         default: break;
       }
     }

@@ -276,11 +276,12 @@ def notes(result: dict[str, Any]) -> list[str]:
         f"{', '.join(b['cpu_flags'])}; ggml SIMD on: {', '.join(b['simd_on'])}; configure: "
         f"`{' '.join(b['cmake_options'])}`.",
         f"- **Weights**: llama.cpp computes on the GGUF's own blocks (llama-bench: "
-        f"{peer.get('model_type') or '-'}; Q8_0 embedding); kvserve dequantizes them at load, "
-        "then runs them as the weights column says (int4 = its own groups of 32 with bfloat16 "
-        "activations; `kvserve serve` with `--dtype auto` picks bfloat16 on this CPU when it "
-        "has avx512_bf16, and unquantized bfloat16 is kvserve's fastest at 64 sequences in "
-        "the quantization section).",
+        f"{peer.get('model_type') or '-'}; Q8_0 embedding); kvserve runs them as the weights "
+        "column says: int4 keeps the file's Q4 codes in groups of 32 (an int8 LM head), through "
+        "its tiled int8-dot kernels where built with AVX512-VNNI (activations quantized to int8 "
+        "per block of 32, as llama.cpp's Q8 blocks are); `none` dequantizes to the dtype at "
+        "load. `kvserve serve` with `--dtype auto` picks bfloat16 on this CPU when it has "
+        "avx512_bf16.",
         "- Everything ran under `nice -n 19` on a machine shared with other work (others' CPU "
         "columns). llama.cpp's threads meet at a spin barrier after every op, so a multi-thread "
         "run stalls whenever another process holds one of the cores: hence the -t 1 row, and "

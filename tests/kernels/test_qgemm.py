@@ -58,7 +58,8 @@ def _int4_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                              codes.double().reshape(n, -1, 32))  # exact integer sums
     block_scale = scales.double().repeat_interleave(k // groups // 32, dim=1)  # [n, blocks]
     y = (per_block * dx.double()[:, None, :] * block_scale[None]).sum(-1)
-    x_sums = x.double().reshape(m, groups, -1).sum(-1)  # exact float sums per group
+    # the mins meet the quantized x's sums: the result is w . x' exactly
+    x_sums = (qx.double().reshape(m, -1, 32).sum(-1) * dx.double()).reshape(m, groups, -1).sum(-1)
     return y + x_sums @ mins.double().t()
 
 
