@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.model_loader.gguf.weights import default_model_path
 from engine.models.cpu_linear import PackedLinear
 from engine.quantization import QuantizedLinear
+from tests.support.greedy import logprob_agreement, tokens_and_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +60,15 @@ def test_default_keeps_the_file_in_place_and_none_dequantizes(in_place: LLM) -> 
     dequantized = LLM(None, dtype="bfloat16", max_model_len=256, quantization="none")
     assert isinstance(dequantized.engine.runner.model.layers[0].self_attn.qkv_proj,
                       PackedLinear)
-    params = SamplingParams(temperature=0.0, max_tokens=12)
+    # The same codes, but the in-place layers may quantize their activations to int8 per
+    # block of 32 (the tiled kernels): greedy text is held to vLLM's check_logprobs_close rule
+    # (where the runs part, each one's token is in the other's top 5), not to equality.
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5)
     prompt = ["The capital of France is"]
-    assert in_place.generate(prompt, params, use_tqdm=False)[0].outputs[0].text == \
-        dequantized.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    runs = [tokens_and_logprobs(llm.generate(prompt, params, use_tqdm=False))
+            for llm in (dequantized, in_place)]
+    agree, mad, rule = logprob_agreement(*runs)
+    assert rule and mad <= 0.1 and agree >= 0.25, (agree, mad)
 
 
 def test_gguf_needs_a_gguf_file(tiny_llama_dir: Path) -> None:
