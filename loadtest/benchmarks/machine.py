@@ -94,6 +94,21 @@ def matmul_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
     return 2 * m * k * n / seconds / 1e9
 
 
+def matmul_rates(size: int, repeats: int = 5) -> dict[str, float | None]:
+    """Square [size x size] matmul rates by arithmetic, in G ops/s: float32 and bfloat16
+    (torch.matmul) and int8 x int8 -> int32 (`torch._int_mm`, oneDNN's VNNI kernels where the
+    CPU has them); None where this torch lacks one."""
+    rates: dict[str, float | None] = {"float32": matmul_gflops(size, size, size, repeats)}
+    a = torch.randn(size, size).to(torch.bfloat16)
+    rates["bfloat16"] = 2 * size**3 / best_seconds(lambda: a @ a, repeats) / 1e9
+    q = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    try:
+        rates["int8"] = 2 * size**3 / best_seconds(lambda: torch._int_mm(q, q), repeats) / 1e9
+    except (RuntimeError, AttributeError, NotImplementedError):
+        rates["int8"] = None
+    return rates
+
+
 def read_bandwidth_gbs(num_bytes: int, repeats: int = 5) -> dict[str, float]:
     """Memory rates in GB/s over a float32 tensor of `num_bytes`: `sum` (reads it once) and
     `copy` (reads and writes it; counted as 2 x bytes)."""
@@ -117,7 +132,8 @@ def cpu_model() -> str:
                  if ln.startswith("model name")), "unknown")
     flags = next((set(ln.split(":", 1)[1].split()) for ln in info.splitlines()
                   if ln.startswith("flags")), set())
-    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    simd = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                        "amx_int8") if f in flags]
     return f"{name} ({os.cpu_count()} logical CPUs; {', '.join(simd) or 'no AVX2'})"
 
 

@@ -18,13 +18,20 @@ Row = Sequence[Any]
 # ---- pure helpers (unit-tested) -----------------------------------------------------------
 
 
-def decode_step_flops(num_params: int, num_layers: int, num_heads: int, head_dim: int,
-                      mean_context: float, num_seqs: int) -> float:
-    """Linear layers (2 x params per token) plus attention: QK^T and PV, 2 FLOPs each per
-    head-dim element per cached position."""
+def decode_step_flop_parts(num_params: int, num_layers: int, num_heads: int, head_dim: int,
+                           mean_context: float, num_seqs: int) -> tuple[float, float]:
+    """(linear layers: 2 x params per token, attention: QK^T and PV, 2 FLOPs each per
+    head-dim element per cached position)."""
     linear = 2 * num_params * num_seqs
     attention = 2 * 2 * num_layers * num_heads * head_dim * mean_context * num_seqs
-    return float(linear + attention)
+    return float(linear), float(attention)
+
+
+def decode_step_flops(num_params: int, num_layers: int, num_heads: int, head_dim: int,
+                      mean_context: float, num_seqs: int) -> float:
+    """All of a decode step's FLOPs (see `decode_step_flop_parts`)."""
+    return sum(decode_step_flop_parts(num_params, num_layers, num_heads, head_dim,
+                                      mean_context, num_seqs))
 
 
 def roofline_step_seconds(flops: float, weight_bytes: float, matmul_flops_per_s: float,
@@ -41,19 +48,36 @@ def bandwidth_floor_tokens_per_s(weight_bytes: float, read_bytes_per_s: float) -
 # ---- report -------------------------------------------------------------------------------
 
 
+def peak_rate(rates: dict[str, Any], arithmetic: str | None) -> float:
+    """The machine's square-matmul rate (ops/s) for `arithmetic` (float32, bfloat16, int8),
+    the float32 one where that was not measured."""
+    measured = (rates.get("gemm_square_by_arithmetic") or {}).get(arithmetic or "")
+    return float(measured or rates["gemm_square_gflops"]) * 1e9
+
+
 def roofline_summary(mc: ModelConfig, rates: dict[str, Any], decode: dict[str, Any],
-                     weight_bytes: int) -> dict[str, float]:
-    """The decode-step roofline from the model shape, the machine rates and measured steps."""
-    flops = decode_step_flops(mc.num_params(), mc.num_hidden_layers, mc.num_attention_heads,
-                              mc.head_dim, decode["mean_context"], decode["num_seqs"])
-    peak, read = rates["gemm_square_gflops"] * 1e9, rates["read_gbs"] * 1e9
-    roof = roofline_step_seconds(flops, weight_bytes, peak, read)
+                     weight_bytes: int, arithmetic: dict[str, str] | None = None
+                     ) -> dict[str, Any]:
+    """The decode-step roofline from the model shape, the machine rates and measured steps.
+
+    `arithmetic` names what the engine multiplies in: {"linear": ..., "attention": ...}
+    (float32, bfloat16 or int8: quantized weights on kvserve's tiled kernels multiply int8
+    codes), each part timed at the machine's matmul peak for it."""
+    arithmetic = arithmetic or {}
+    linear, attention = decode_step_flop_parts(
+        mc.num_params(), mc.num_hidden_layers, mc.num_attention_heads, mc.head_dim,
+        decode["mean_context"], decode["num_seqs"])
+    compute_s = (linear / peak_rate(rates, arithmetic.get("linear"))
+                 + attention / peak_rate(rates, arithmetic.get("attention")))
+    read = rates["read_gbs"] * 1e9
+    roof = roofline_step_seconds(linear + attention, weight_bytes,
+                                 (linear + attention) / compute_s, read)
     kv_bytes = decode["num_seqs"] * decode["mean_context"] * mc.kv_bytes_per_token(
         weight_bytes // mc.num_params())
-    return {"flops": flops, "weight_bytes": weight_bytes, "compute_s": flops / peak,
+    return {"flops": linear + attention, "weight_bytes": weight_bytes, "compute_s": compute_s,
             "memory_s": weight_bytes / read, "roofline_s": roof, "kv_bytes": kv_bytes,
             "achieved_s": decode["median_step_s"], "worker_s": decode["median_worker_s"],
-            "fraction": roof / decode["median_step_s"]}
+            "fraction": roof / decode["median_step_s"], "arithmetic": arithmetic}
 
 
 def build_report(cfg: BenchConfig, env: dict[str, Any], mc: ModelConfig, rates: dict[str, Any],
@@ -68,7 +92,8 @@ def build_report(cfg: BenchConfig, env: dict[str, Any], mc: ModelConfig, rates: 
         "kvserve": kv, "kvserve_bf16": bf16, "hf": hf,
         "ratios": {"vs_generate_batch": ratio(kv_tps, hf["generate_batch"]["tokens_per_s"]),
                    "vs_sequential": ratio(kv_tps, seq["tokens_per_s"] if seq else None)},
-        "roofline": roofline_summary(mc, rates, kv["decode"], kv["weight_bytes"]),
+        "roofline": roofline_summary(mc, rates, kv["decode"], kv["weight_bytes"],
+                                     kv.get("arithmetic")),
         "batch1_floor_tokens_per_s": bandwidth_floor_tokens_per_s(kv["weight_bytes"], read),
         "batch1_floor_float32_tokens_per_s": bandwidth_floor_tokens_per_s(
             mc.num_params() * 4, read),
@@ -94,6 +119,10 @@ def machine_table(r: dict[str, Any]) -> str:
     m = r["machine"]
     return format_table(("measurement", "value", "method"), [
         ("matmul peak (GFLOP/s)", m["gemm_square_gflops"], m["gemm_square_shape"] + " float32"),
+        *[(f"matmul peak, {kind} (G ops/s)", rate, m["gemm_square_shape"]
+           + (" torch._int_mm, int32 sums" if kind == "int8" else f" {kind}"))
+          for kind, rate in (m.get("gemm_square_by_arithmetic") or {}).items()
+          if kind != "float32" and rate is not None],
         ("matmul decode-shaped (GFLOP/s)", m["gemm_decode_gflops"],
          m["gemm_decode_shape"] + " float32"),
         ("read bandwidth (GB/s)", m["read_gbs"], m["bandwidth_method"]),
@@ -110,6 +139,8 @@ def roofline_table(r: dict[str, Any]) -> str:
         ("FLOPs per step (G)", rf["flops"] / 1e9),
         ("weight bytes per step (MB)", rf["weight_bytes"] / 1e6),
         ("KV bytes attended per step (MB, not in the roofline)", rf["kv_bytes"] / 1e6),
+        ("multiplies in (linear / attention)", " / ".join(
+            rf.get("arithmetic", {}).get(k, "float32") for k in ("linear", "attention"))),
         ("compute time at peak matmul rate (ms)", rf["compute_s"] * 1e3),
         ("weight-read time at read bandwidth (ms)", rf["memory_s"] * 1e3),
         ("roofline step (ms)", rf["roofline_s"] * 1e3),

@@ -19,6 +19,7 @@ from loadtest.benchmarks.machine import (
     GIB,
     environment,
     matmul_gflops,
+    matmul_rates,
     read_bandwidth_gbs,
     timed,
 )
@@ -117,12 +118,31 @@ def kvserve_batch1(llm: LLM, prompt: list[int], num_tokens: int) -> dict[str, An
     return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
+def engine_arithmetic(llm: LLM) -> dict[str, str]:
+    """What the engine's decoder multiplies in: int8 for layers on kvserve's tiled quantized
+    kernels, else the linear layers' compute dtype; attention in the KV cache's dtype."""
+    from engine.quantization import QuantizedLinear
+
+    runner = llm.engine.runner
+    first: Any = runner.model.layers[0]
+    layer = first.mlp.gate_up_proj
+    if isinstance(layer, QuantizedLinear):
+        linear = ("int8" if "layout_tiles" in layer.tensors()
+                  else str(layer.method.plan.compute_dtype).removeprefix("torch."))
+    else:
+        linear = str(first.input_layernorm.weight.dtype).removeprefix("torch.")
+    # the CPU attention kernels multiply a bf16 cache in bf16 and every other cache in float32
+    return {"linear": linear,
+            "attention": "bfloat16" if runner.kv_cache_dtype == torch.bfloat16 else "float32"}
+
+
 def run_kvserve(cfg: BenchConfig, dtype: str, prompts: list[list[int]] | None,
                 decode_prompts: list[list[int]], batch1_prompt: list[int]) -> dict[str, Any]:
     """All kvserve measurements for one dtype; `prompts=None` skips the throughput run."""
     llm = kvserve_engine(dtype, cfg.threads)
     wait = cfg.wait_quiet
-    result: dict[str, Any] = {"dtype": dtype, "weight_bytes": llm.engine.runner.weight_bytes()}
+    result: dict[str, Any] = {"dtype": dtype, "weight_bytes": llm.engine.runner.weight_bytes(),
+                              "arithmetic": engine_arithmetic(llm)}
     if prompts is not None:
         result["throughput"] = timed(lambda: kvserve_throughput(llm, prompts, cfg.output_len),
                                      wait)
@@ -144,6 +164,7 @@ def measure_machine(cfg: BenchConfig, hidden: int, intermediate: int) -> dict[st
         """The rates, timed together."""
         return {"gemm_square_gflops": matmul_gflops(size, size, size),
                 "gemm_decode_gflops": matmul_gflops(rows, hidden, 2 * intermediate, repeats=50),
+                "gemm_square_by_arithmetic": matmul_rates(size),
                 "gemm_square_shape": f"[{size}x{size}] @ [{size}x{size}]",
                 "gemm_decode_shape": f"[{rows}x{hidden}] @ [{hidden}x{2 * intermediate}]",
                 **read_bandwidth_gbs(cfg.bandwidth_bytes),

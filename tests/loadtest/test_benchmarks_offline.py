@@ -23,6 +23,7 @@ from loadtest.benchmarks.offline_report import (
     decode_step_flops,
     faster,
     roofline_step_seconds,
+    roofline_summary,
 )
 
 
@@ -61,6 +62,25 @@ def test_roofline_takes_the_slower_bound() -> None:
     assert roofline_step_seconds(18e9, 538e6, 100e9, 20e9) == pytest.approx(0.18)
     # 0.2 GFLOP at 100 GFLOP/s = 0.002 s; 538 MB at 20 GB/s = 0.0269 s -> memory-bound.
     assert roofline_step_seconds(0.2e9, 538e6, 100e9, 20e9) == pytest.approx(0.0269)
+
+
+def test_roofline_times_each_part_at_the_peak_of_its_arithmetic(tiny_llama_dir: Path) -> None:
+    from engine.config import ModelConfig
+
+    mc = ModelConfig.from_folder(tiny_llama_dir)
+    rates = {"gemm_square_gflops": 100.0, "read_gbs": 1e6,  # compute-bound by far
+             "gemm_square_by_arithmetic": {"float32": 100.0, "bfloat16": 200.0, "int8": 800.0}}
+    decode = {"mean_context": 50.0, "num_seqs": 8, "median_step_s": 1.0, "median_worker_s": 1.0}
+    linear = 2 * mc.num_params() * 8
+    attention = 4 * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim * 50.0 * 8
+    plain = roofline_summary(mc, rates, decode, 1000)
+    assert plain["compute_s"] == pytest.approx((linear + attention) / 100e9)
+    tiled = roofline_summary(mc, rates, decode, 1000, {"linear": "int8", "attention": "bfloat16"})
+    assert tiled["compute_s"] == pytest.approx(linear / 800e9 + attention / 200e9)
+    assert tiled["roofline_s"] == pytest.approx(tiled["compute_s"])
+    del rates["gemm_square_by_arithmetic"]  # an older run: the float32 peak for everything
+    assert roofline_summary(mc, rates, decode, 1000, {"linear": "int8"})["compute_s"] == \
+        pytest.approx(plain["compute_s"])
 
 
 def test_bandwidth_floor() -> None:
