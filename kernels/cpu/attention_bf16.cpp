@@ -38,17 +38,15 @@ inline __m512 widen(const c10::BFloat16* p) {  // 16 bf16 -> float
 }
 
 // Query heads per pass, so that a pass's vectors stay in registers: QK holds C chunks of each
-// head's query, PV 2C float accumulators per head.
+// head's query, PV 2C float accumulators per head (both halve as the head size doubles).
 template <int C>
-constexpr int kQkHeads = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
-template <int C>
-constexpr int kPvHeads = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
+constexpr int kHeadsPerPass = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
 
 // One sequence's KV head g: scores of its query heads h0..h0+nh (rows of `scores`, n each).
 template <int C>
 void head_scores(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
                  float* scores, int64_t n) {
-  constexpr int H = kQkHeads<C>;
+  constexpr int H = kHeadsPerPass<C>;
   const int64_t dim = 32 * C, h_base = g * c.group;
   for (int64_t h0 = 0; h0 < c.group; h0 += H) {
     const int64_t nh = std::min<int64_t>(H, c.group - h0);
@@ -75,7 +73,7 @@ void head_scores(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx
 template <int C>
 void head_values(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
                  const float* weights, const float* sums, int64_t n) {
-  constexpr int H = kPvHeads<C>;
+  constexpr int H = kHeadsPerPass<C>;
   const int64_t dim = 32 * C, h_base = g * c.group;
   for (int64_t h0 = 0; h0 < c.group; h0 += H) {
     const int64_t nh = std::min<int64_t>(H, c.group - h0);
