@@ -1,10 +1,11 @@
-"""A decoder layer's decode rows as one C++ op on CPU (kernels/cpu/decoder_layer.cpp).
+"""A decoder layer as one C++ op on CPU (kernels/cpu/decoder_layer.cpp).
 
 At batch 1 on a small model the eager layer's ~25 torch calls and ~10 module calls cost as much
 as its matmuls (SmolLM2-135M: ~4 ms of Python per token beside ~5 ms of matmuls). `FusedLayer`
 describes the layer's weights once and runs the same kernels and the same torch matmuls from
-C++ in one call. It serves batches whose every row decodes (the other batches, tensor-parallel
-layers and weight formats it does not know keep the Python forward), so outputs match the eager
+C++ in one call, for decode batches and mixed ones alike (prefill chunks beside decodes: the
+attention is then the backend's varlen kernel, as in the Python forward). Tensor-parallel
+layers and weight formats it does not know keep the Python forward; outputs match the eager
 layer's to the last rounding: the test suite holds them to it.
 """
 
@@ -86,10 +87,10 @@ class FusedLayer:
         self.heads = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
 
     def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this batch is one the op computes: every row a decode, few enough rows."""
+        """Whether this batch is one the op computes: few enough rows for its kernels."""
         rows = x.shape[0]
-        return (meta.num_seqs == rows and (self.max_rows is None or rows <= self.max_rows)
-                and self.attn.backend is self.backend)
+        return (self.max_rows is None or rows <= self.max_rows) and \
+            self.attn.backend is self.backend
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -99,7 +100,7 @@ class FusedLayer:
             x, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.block_tables,
             meta.seq_lens, self.norm1, self.norm2, self.eps, self.kinds, self.params,
             self.linears, self.heads, attn.scale, meta.sliding_window or 0, attn.k_scale,
-            attn.v_scale)
+            attn.v_scale, None if meta.num_seqs == x.shape[0] else meta.query_start_loc)
         return x
 
 

@@ -45,5 +45,16 @@ const float* fp8_table() {
   return table.data();
 }
 
+// Reads one cache row of `dim` elements into float: T the cache element, or uint8_t with a
+// table for fp8.
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t dim, const float*) {
+#pragma omp simd
+  for (int64_t d = 0; d < dim; ++d) dst[d] = to_f(src[d]);
+}
+template <>
+inline void load_row<uint8_t>(const uint8_t* src, float* dst, int64_t dim, const float* table) {
+  for (int64_t d = 0; d < dim; ++d) dst[d] = table[src[d]];
+}
 
 }  // namespace kvserve

@@ -1,6 +1,6 @@
-// One Llama decoder layer for a batch of decode rows, as a single op: the model's Python
-// forward costs ~25 torch calls and ~10 module calls per layer, which at batch 1 on a small
-// model took as long as the matmuls. The same kernels and the same torch matmuls run here,
+// One Llama decoder layer as a single op (decode rows, or with `query_start_loc` a mixed batch
+// of prefill chunks and decodes): the model's Python forward costs ~25 torch calls and ~10
+// module calls per layer, which at batch 1 on a small model took as long as the matmuls. The same kernels and the same torch matmuls run here,
 // called from C++. engine/models/llama.py describes each linear layer as (kind, param, up to
 // three tensors):
 //
@@ -12,7 +12,7 @@
 //   kind 4  int4 tiles, scales and mins (+ bias)            q4_linear (qgemm.cpp)
 //   kind 5  int8 tiles, per-channel scales (+ bias)         q8_linear (qgemm.cpp)
 //
-// and falls back to its Python forward for anything else (prefill rows, tensor parallel).
+// and falls back to its Python forward for anything else (tensor parallel, other formats).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -81,7 +81,8 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& norm1, const at::Tensor& norm2, double eps,
                     at::IntArrayRef kinds, at::IntArrayRef params,
                     const c10::List<std::optional<at::Tensor>>& linears, at::IntArrayRef heads,
-                    double scale, int64_t sliding_window, double k_scale, double v_scale) {
+                    double scale, int64_t sliding_window, double k_scale, double v_scale,
+                    const std::optional<at::Tensor>& query_start_loc) {
   TORCH_CHECK(kinds.size() == 4 && params.size() == 4 &&
               linears.size() == static_cast<size_t>(4 * kSlots) && heads.size() == 3,
               "decoder_layer_: 4 linears (qkv, o, gate_up, down) and (heads, kv_heads, dim)");
@@ -95,8 +96,13 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
   at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, dim});
   write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   at::Tensor attn = at::empty({rows, num_heads, dim}, x.options());
-  decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale,
-                   sliding_window, v_scale);
+  if (query_start_loc.has_value()) {  // a mixed batch: prefill chunks beside decodes
+    varlen_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, *query_start_loc,
+                     scale * k_scale, sliding_window, v_scale);
+  } else {
+    decode_attention(attn, q, k_cache, v_cache, block_tables, seq_lens, scale * k_scale,
+                     sliding_window, v_scale);
+  }
   at::Tensor o = linear(attn.view({rows, q_size}), 1, kinds, params, linears);
   add_rms_norm_(o, x, norm2, eps);  // x += o; o = norm(x)
   at::Tensor act = silu_and_mul(linear(o, 2, kinds, params, linears));

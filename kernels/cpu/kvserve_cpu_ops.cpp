@@ -5,6 +5,9 @@
 //                     through the block table where they lie in the paged cache (no gather),
 //                     with GQA (a KV row is read once for all query heads sharing it), a
 //                     sliding window and fp8 caches (e4m3fn / e5m2, read through a table);
+//   varlen_attention  the same for a mixed batch: prefill chunks (each query token attending
+//                     causally over its cached prefix and its chunk) beside decodes, tiled
+//                     flash-style over the blocks in place (varlen_attention.cpp);
 //   write_kv          this step's K/V rows into their cache slots (slot -1 skipped), fp8
 //                     quantised with saturation as the torch twin does;
 //   rms_norm, add_rms_norm_, silu_and_mul, rotary_
@@ -21,7 +24,7 @@
 // oneDNN-packed weights send it); the tests hold each one to its torch twin
 // (tests/kernels/test_cpu_ops.py).
 //
-// This file registers the ops; attention.cpp, elementwise.cpp, qgemm.cpp and decoder_layer.cpp
+// This file registers the ops; attention.cpp, varlen_attention.cpp, elementwise.cpp, qgemm.cpp and decoder_layer.cpp
 // hold them.
 
 #include <torch/library.h>
@@ -32,6 +35,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, int sliding_window, "
         "float v_scale) -> ()");
+  m.def("varlen_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+        "int sliding_window, float v_scale) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, float k_scale, float v_scale) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -41,7 +47,8 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("decoder_layer_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor norm1, Tensor norm2, float eps, int[] kinds, int[] params, Tensor?[] linears, "
-        "int[] heads, float scale, int sliding_window, float k_scale, float v_scale) -> ()");
+        "int[] heads, float scale, int sliding_window, float k_scale, float v_scale, "
+        "Tensor? query_start_loc=None) -> ()");
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale_mins, int path=0) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int path=0) -> Tensor");
   m.def("int8_dot_available() -> bool", &kvserve::int8_dot_available);
@@ -49,6 +56,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("decode_attention", &kvserve::decode_attention);
+  m.impl("varlen_attention", &kvserve::varlen_attention);
   m.impl("write_kv", &kvserve::write_kv);
   m.impl("rms_norm", &kvserve::rms_norm);
   m.impl("add_rms_norm_", &kvserve::add_rms_norm_);

@@ -19,6 +19,13 @@ bool decode_attention_bf16(at::Tensor& out, const at::Tensor& query, const at::T
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, double scale, int64_t window,
                            double v_scale);
+// Attention for a mixed batch (prefill chunks and decodes) over the paged cache, in place
+// (varlen_attention.cpp); query_start_loc [num_seqs + 1] int32 delimits each sequence's rows.
+void varlen_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                      const at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                      double scale, int64_t sliding_window, double v_scale);
+void check_cache(const at::Tensor& cache, const at::Tensor& other);  // contiguous, K/V alike
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
               at::Tensor v_cache, const at::Tensor& slot_mapping, double k_scale,
               double v_scale);
@@ -37,6 +44,7 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& norm1, const at::Tensor& norm2, double eps,
                     at::IntArrayRef kinds, at::IntArrayRef params,
                     const c10::List<std::optional<at::Tensor>>& linears, at::IntArrayRef heads,
-                    double scale, int64_t sliding_window, double k_scale, double v_scale);
+                    double scale, int64_t sliding_window, double k_scale, double v_scale,
+                    const std::optional<at::Tensor>& query_start_loc);
 
 }  // namespace kvserve

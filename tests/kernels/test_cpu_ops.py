@@ -94,6 +94,36 @@ def test_mixed_batch_matches_torch(window: int | None) -> None:
     attention_case([1, 20, 1, 7, 1], [33, 0, 78, 21, 0], window=window)
 
 
+MIXED = ([1, 37, 1, 70, 3], [50, 0, 9, 130, 400])  # chunks across tiles, lanes and blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_varlen_attention_matches_torch(dtype: torch.dtype, group: tuple[int, int],
+                                        head_dim: int) -> None:
+    """varlen_attention (prefill chunks attending over their cached prefix and causally over
+    themselves, beside decodes, read in place) against the torch twin's gather + SDPA."""
+    attention_case(*MIXED, heads=group[0], kv_heads=group[1], dtype=dtype, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+def test_varlen_attention_blocks_and_windows(block_size: int, window: int | None) -> None:
+    attention_case(*MIXED, block_size=block_size, window=window)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_attention_fp8_cache(cache_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    attention_case(*MIXED, dtype=dtype, cache_dtype=cache_dtype, scales=(0.5, 1.7))
+
+
+def test_varlen_attention_fresh_prefills() -> None:
+    """Whole prompts with no cached prefix (the torch twin's causal SDPA), one of them long."""
+    attention_case([45, 300, 2], [0, 0, 0])
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, *FP8_DTYPES])
 def test_write_kv_matches_torch(cache_dtype: torch.dtype) -> None:
     """Bit for bit, with a padding slot (-1) and values beyond fp8's range (saturate)."""
@@ -154,8 +184,9 @@ def test_add_rms_norm_is_add_then_norm(dtype: torch.dtype) -> None:
 # ---- the whole layer and the engine ---------------------------------------------------------
 
 
-def decode_rows(llm: LLM, rows: int) -> tuple[Any, Any]:
-    """A pure-decode batch for the engine's model: hidden states, metadata and friends."""
+def step_rows(llm: LLM, rows: int, chunk: int = 0) -> tuple[Any, Any]:
+    """A batch of `rows` decodes, and with `chunk` a prefill chunk of that many tokens after a
+    cached prefix of 11, for the engine's model: its runner and prepared inputs."""
     from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
     from engine.worker.input_batch import prepare_inputs
 
@@ -163,25 +194,34 @@ def decode_rows(llm: LLM, rows: int) -> tuple[Any, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=1)
     requests = [ScheduledRequest(f"r{i}", (5 + i,), 10 + 7 * i, tuple(range(4 * i, 4 * i + 4)),
                                  True, params) for i in range(rows)]
+    if chunk:
+        requests.append(ScheduledRequest("chunk", tuple(range(7, 7 + chunk)), 11,
+                                         tuple(range(40, 40 + -(-(11 + chunk) // 8))), True,
+                                         params))
     inputs = prepare_inputs(SchedulerOutput(tuple(requests)), runner.block_size, None,
                             runner.device, {})
     return runner, inputs
 
 
+fused_call = FusedLayer.__call__
+
+
+@pytest.mark.parametrize("chunk", [0, 21])
 @pytest.mark.parametrize("quantization, torch_layouts", [
     ("none", False), ("int8", False), ("int4", False), ("int8", True), ("int4", True)])
 def test_fused_layer_equals_python_layer(tiny_llama_dir: Path, quantization: str,
-                                         torch_layouts: bool,
+                                         torch_layouts: bool, chunk: int,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """decoder_layer_ (one C++ call) and the layer's Python forward over the same ops give the
     same hidden states, for each weight format the op runs (kvserve's tiled int8/int4 where
-    built with AVX512-VNNI, and torch's, forced by hiding the tiled ops)."""
+    built with AVX512-VNNI, and torch's, forced by hiding the tiled ops), on decode rows and on
+    a mixed batch (a prefill chunk beside them)."""
     if torch_layouts:
         monkeypatch.setattr(tiles, "tile_ops", lambda: None)
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization=quantization,
               quantization_group_size=32 if quantization == "int4" else None,
               kv_cache_memory_bytes=2**20, block_size=8)
-    runner, inputs = decode_rows(llm, 2)
+    runner, inputs = step_rows(llm, 2, chunk)
     model: Any = runner.model
 
     def run(layer_state: str) -> torch.Tensor:
@@ -191,7 +231,11 @@ def test_fused_layer_equals_python_layer(tiny_llama_dir: Path, quantization: str
             return model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
 
     python = llm.engine.worker.call(run, "python")
+    calls = []
+    monkeypatch.setattr(FusedLayer, "__call__", lambda self, *a: calls.append(1) or
+                        fused_call(self, *a))
     fused = llm.engine.worker.call(run, "fused")
+    assert len(calls) == len(model.layers)
     kinds = {k for layer in model.layers if isinstance(layer._fused, FusedLayer)
              for k in layer._fused.kinds}
     tiled = tiles.tile_ops() is not None
