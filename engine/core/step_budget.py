@@ -6,8 +6,10 @@ take (Sarathi-Serve's stall-free batching, with the chunk derived from measured 
 a hand-picked token count). The costs come from `StepCostModel`: profiled at startup, refit on
 the last steps' timings, so the chunk follows the hardware, the model, the number of streams
 and the context the chunk attends over (a chunk deep into an 8k prompt attends over more and
-gets fewer tokens). Prefill still moves every step: the chunk never drops below one block
-(MIN_CHUNK_TOKENS rounded up to the block size). A step with no decodes, or with nothing to
+gets fewer tokens). Prefill still moves every step: the chunk never drops below
+MIN_CHUNK_TOKENS. Chunks of a block or more are whole blocks; deep into a long prompt, where a
+block's attention over the context alone would take the step past its limit, a chunk may be
+a few tokens (the streams' pace comes first). A step with no decodes, or with nothing to
 prefill, takes the whole budget, `max_tokens` (the default ceiling: max-model-len up to 8192,
 at least 2048 and at least max-num-seqs), which is also the most a step can ever carry, so the
 activation peak profiled for it still bounds every step. Decodes are never cut: a step's budget
@@ -34,18 +36,15 @@ from engine.core.step_cost import (
 # issue's target is decode ITL p99 <= 3x the undisturbed median ITL during a long prefill;
 # 2.5 leaves room for the noise of a shared machine and for the model's error.
 DECODE_STEP_MULTIPLE = 2.5
-# The least a prefill moves in a step that carries decodes (rounded up to whole blocks): much
-# smaller chunks cost nearly as much per step as this one and only add steps.
-MIN_CHUNK_TOKENS = 16
+# The least a prefill moves in a step that carries decodes. With the prefix read in place a
+# chunk's cost is its tokens' own work and their attention over the context, so deep into an
+# 8k prompt on a small CPU even one block (16 tokens) took a step to ~5x a decode step: below
+# a block the chunk shrinks by tokens, down to this.
+MIN_CHUNK_TOKENS = 4
 # The chunk before any step was measured (a scheduler built without the startup profile).
 FALLBACK_CHUNK_TOKENS = 256
 # Recent steps the cost model is fit on (beside the startup profile).
 WINDOW_STEPS = 64
-
-
-def min_chunk_tokens(block_size: int) -> int:
-    """MIN_CHUNK_TOKENS rounded up to whole blocks (at least one block)."""
-    return max(1, -(-MIN_CHUNK_TOKENS // block_size)) * block_size
 
 
 class AdaptiveStepBudget:
@@ -57,7 +56,7 @@ class AdaptiveStepBudget:
         self.max_tokens = max_tokens
         self.block_size = block_size
         self.multiple = multiple
-        self.min_chunk = min_chunk_tokens(block_size)
+        self.min_chunk = MIN_CHUNK_TOKENS
         self.model = model if model is not None else StepCostModel(WINDOW_STEPS)
         self.last_chunk: int | None = None  # the chunk of the last capped step (None: uncapped)
 
@@ -88,9 +87,10 @@ class AdaptiveStepBudget:
         return len(decode_contexts) + self.last_chunk
 
     def chunk_tokens(self, decode_contexts: Sequence[int], prefill_start: int) -> int:
-        """The largest chunk (whole blocks, at least `min_chunk`) that keeps a step with these
-        decodes within `multiple` x the decodes alone, for a prefill at `prefill_start`; but
-        never so small that the chunk's fixed cost (reading its prefix) outweighs its tokens'."""
+        """The largest chunk (at least `min_chunk`; whole blocks from one block up) that keeps a
+        step with these decodes within `multiple` x the decodes alone, for a prefill at
+        `prefill_start`; but never so small that the chunk's fixed cost (reading its prefix, on
+        backends that copy it out) outweighs its tokens'."""
         cap = max(self.min_chunk, self.max_tokens - len(decode_contexts))
         if not self.model.ready:
             return min(cap, max(self.min_chunk, FALLBACK_CHUNK_TOKENS))
@@ -106,22 +106,26 @@ class AdaptiveStepBudget:
         fits = self._largest(lambda k: extra(k) <= (self.multiple - 1.0) * alone, cap)
         if extra(fits) - fixed >= fixed:
             return fits
-        amortized = self._largest(lambda k: extra(k) - fixed < fixed, cap)  # then one more
-        return min(cap, max(fits, amortized + self.block_size))
+        # the least chunk whose tokens cost more than the fixed part (whole blocks from a block)
+        least = self._largest(lambda k: extra(k) - fixed < fixed, cap) + 1
+        if least >= self.block_size:
+            least = -(-least // self.block_size) * self.block_size
+        return min(cap, max(fits, least))
 
     def _largest(self, ok: Callable[[int], bool], cap: int) -> int:
-        """The largest chunk of whole blocks in [min_chunk, cap] for which `ok` holds (`ok`
-        holds for a prefix of sizes), or min_chunk when none."""
-        lo, hi = self.min_chunk // self.block_size, cap // self.block_size
-        if hi <= lo:
+        """The largest chunk in [min_chunk, cap] for which `ok` holds (`ok` holds for a prefix
+        of sizes), rounded down to whole blocks when it is a block or more; min_chunk when
+        none."""
+        lo, hi = self.min_chunk, max(self.min_chunk, cap)
+        if not ok(lo):
             return self.min_chunk
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if ok(mid * self.block_size):
+            if ok(mid):
                 lo = mid
             else:
                 hi = mid - 1
-        return lo * self.block_size
+        return lo if lo < self.block_size else lo - lo % self.block_size
 
     def describe(self) -> list[str]:
         """The startup log lines: what the budget is, its limits, and the model's estimate."""

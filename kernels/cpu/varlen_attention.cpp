@@ -6,7 +6,9 @@
 // tokens x the query heads sharing the KV head) walk the context in tiles of kKeys keys,
 // flash-attention style: scores, the causal (and sliding-window) mask by position, an online
 // softmax (running max and sum per row, the accumulators rescaled when the max grows) and the
-// values, all in float, each K/V tile converted once for all rows. Query token i of a sequence
+// values, accumulated in float, each K/V tile converted once for all rows. The loops run across
+// 16 query rows per vector; over a bfloat16 cache with AVX512-BF16 the scores and values take
+// bf16 dot products (varlen_bf16.h), elsewhere float FMAs. Query token i of a sequence
 // with q_len tokens and context ctx sits at position ctx - q_len + i and sees keys at
 // positions <= its own (and > position - window with a window).
 
@@ -21,18 +23,19 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
 #include "ops.h"
 #include "paged.h"
+#include "varlen_bf16.h"
 
 namespace kvserve {
 namespace {
 
-constexpr int64_t kKeys = 16;   // keys per tile
-constexpr int64_t kLanes = 16;  // query rows per vector: the loops run across rows
-constexpr int64_t kBlock = 8;   // keys (scores) or head dims (values) per register block
+using namespace varlen;  // the tile sizes and the AVX512-BF16 tiles (varlen_bf16.h)
 
 // s[j][l] = k[j] . q[l] for the lanes of one 16-row group; qt holds the rows transposed
 // ([dim][lanes], this group's columns at qt), kr the tile's keys as rows ([kKeys][dim]).
@@ -53,6 +56,7 @@ inline void tile_scores(const float* qt, int64_t stride, const float* kr, int64_
     }
   }
 }
+
 
 // at[d][l] += sum_j p[j][l] v[j][d] for one 16-row group (at: [dim][lanes] at its columns).
 inline void tile_values(const float* p, const float* vr, int64_t n, int64_t dim, float* at,
@@ -95,7 +99,7 @@ int64_t tile_tokens(const std::vector<int64_t>& q_lens, const int32_t* lens, int
 }
 
 // One item: its rows' outputs, by an online softmax over its context's key tiles.
-template <typename QT, typename KT>
+template <typename QT, typename KT, bool kDot>
 struct Varlen {
   const QT* q;
   QT* o;
@@ -117,10 +121,19 @@ struct Varlen {
       m[r] = -INFINITY;
       pos[r] = r < rows ? static_cast<float>(first_pos + item.t0 + r / group) : -1.0f;
     }
+    // bf16 dot products: the rows' unscaled (d, d+1) pairs in qt's room, the scale applied
+    // to the scores; else the scaled rows in float.
+    uint32_t* q2 = reinterpret_cast<uint32_t*>(qt);
     for (int64_t r = 0; r < rows; ++r) {
       const QT* qr = q + (starts[s] + item.t0 + r / group) * q_s0 + (g * group + r % group) * q_s1;
-      for (int64_t d = 0; d < dim; ++d) qt[d * width + r] = to_f(qr[d]) * scale;
+      if constexpr (kDot) {
+        for (int64_t i = 0; i < dim / 2; ++i) std::memcpy(q2 + i * width + r, qr + 2 * i, 4);
+      } else {
+        for (int64_t d = 0; d < dim; ++d) qt[d * width + r] = to_f(qr[d]) * scale;
+      }
     }
+    const uint32_t* kp[kKeys];
+    const KT* vp[kKeys];
     const int64_t key_end = first_pos + item.t1;  // the last token's position + 1
     const int64_t key_first =
         window > 0 ? std::max<int64_t>(0, first_pos + item.t0 - window + 1) : 0;
@@ -128,14 +141,34 @@ struct Varlen {
     for (int64_t kb = key_first; kb < key_end; kb += kKeys) {
       const int64_t n = std::min(kKeys, key_end - kb);
       for_each_slot(table_row, block_size, kb, kb + n, [&](int64_t j, int64_t slot) {
-        load_row<KT>(k + (slot * kv_heads + g) * dim, kr + j * dim, dim, table);
-        load_row<KT>(v + (slot * kv_heads + g) * dim, vr + j * dim, dim, table);
+        const KT* key = k + (slot * kv_heads + g) * dim;
+        if constexpr (kDot) {
+          kp[j] = reinterpret_cast<const uint32_t*>(key);
+        } else {
+          load_row<KT>(key, kr + j * dim, dim, table);
+        }
+        if constexpr (kDot) {
+          vp[j] = v + (slot * kv_heads + g) * dim;
+        } else {
+          load_row<KT>(v + (slot * kv_heads + g) * dim, vr + j * dim, dim, table);
+        }
       });
+      if constexpr (kDot) pair_values(vp, n, dim, reinterpret_cast<uint32_t*>(vr));
       for (int64_t c = 0; c < width; c += kLanes) {
         if (kb > pos[std::min(rows, c + kLanes) - 1]) continue;  // the tile is past every row
-        tile_scores(qt + c, width, kr, n, dim, sc + c * kKeys);
-        softmax_tile(sc + c * kKeys, n, kb, pos + c, m + c, l + c, at + c, width);
-        tile_values(sc + c * kKeys, vr, n, dim, at + c, width);
+        if constexpr (kDot) {
+          tile_scores_bf16(q2 + c, width, kp, n, dim, sc + c * kKeys);
+        } else {
+          tile_scores(qt + c, width, kr, n, dim, sc + c * kKeys);
+        }
+        softmax_tile(sc + c * kKeys, n, kb, kDot ? scale : 1.0f, pos + c, m + c, l + c, at + c,
+                     width);
+        if constexpr (kDot) {
+          tile_values_bf16(sc + c * kKeys, reinterpret_cast<const uint32_t*>(vr), n, dim, at + c,
+                           width);
+        } else {
+          tile_values(sc + c * kKeys, vr, n, dim, at + c, width);
+        }
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -147,8 +180,8 @@ struct Varlen {
 
   // Masks a group's scores by position, turns them into this tile's probabilities against
   // each row's running max, and rescales its sums and accumulators where the max grew.
-  void softmax_tile(float* sc, int64_t n, int64_t kb, const float* pos, float* m, float* l,
-                    float* at, int64_t stride) const {
+  void softmax_tile(float* sc, int64_t n, int64_t kb, float score_scale, const float* pos,
+                    float* m, float* l, float* at, int64_t stride) const {
     float mx[kLanes], corr[kLanes], sum[kLanes] = {};
     const float fwin = window > 0 ? static_cast<float>(window) : INFINITY;
     for (int64_t lane = 0; lane < kLanes; ++lane) mx[lane] = m[lane];
@@ -157,7 +190,7 @@ struct Varlen {
 #pragma omp simd
       for (int64_t lane = 0; lane < kLanes; ++lane) {
         const bool seen = key <= pos[lane] && key > pos[lane] - fwin;
-        sc[j * kLanes + lane] = seen ? sc[j * kLanes + lane] : -INFINITY;
+        sc[j * kLanes + lane] = seen ? sc[j * kLanes + lane] * score_scale : -INFINITY;
         mx[lane] = std::max(mx[lane], sc[j * kLanes + lane]);
       }
     }
@@ -186,15 +219,39 @@ struct Varlen {
   }
 };
 
+template <typename QT, typename KT, bool kDot>
+void run_items(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+               const at::Tensor& v_cache, const at::Tensor& block_tables,
+               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+               int64_t window, double v_scale, const float* table);
+
 template <typename QT, typename KT>
 void varlen_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                    int64_t window, double v_scale, const float* table) {
+  // Scores and values by AVX512-BF16 dot products where the query and cache are bfloat16 and
+  // the head size a multiple of 16; float FMAs otherwise.
+  if constexpr (kHaveDotBf16 && std::is_same_v<QT, c10::BFloat16> &&
+                std::is_same_v<KT, c10::BFloat16>) {
+    if (query.size(2) % 16 == 0) {
+      return run_items<QT, KT, true>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, window, v_scale, table);
+    }
+  }
+  run_items<QT, KT, false>(out, query, k_cache, v_cache, block_tables, seq_lens,
+                           query_start_loc, scale, window, v_scale, table);
+}
+
+template <typename QT, typename KT, bool kDot>
+void run_items(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+               const at::Tensor& v_cache, const at::Tensor& block_tables,
+               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+               int64_t window, double v_scale, const float* table) {
   const int64_t num_seqs = seq_lens.size(0), kv_heads = k_cache.size(2);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const Varlen<QT, KT> call{
+  const Varlen<QT, KT, kDot> call{
       query.data_ptr<QT>(), out.data_ptr<QT>(),
       reinterpret_cast<const KT*>(k_cache.data_ptr()),
       reinterpret_cast<const KT*>(v_cache.data_ptr()), block_tables.data_ptr<int32_t>(), lens,

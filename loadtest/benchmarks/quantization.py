@@ -54,13 +54,13 @@ COMMAND = "python -m loadtest.benchmarks.quantization [--quick] [--threads N] [-
 # reach; the margins below are this benchmark's (quality: the SmolLM2 margins of
 # tests/engine/test_quantization.py::test_smollm2_quality, plus a perplexity bound).
 PPL_LIMIT = 1.05  # quantized perplexity / float32 unquantized
-MIN_AGREEMENT = {"int8": 0.20, "int4": 0.35}
+MIN_AGREEMENT = {"int8": 0.20, "int4": 0.30}
 MAX_MAD = {"int8": 0.10, "int4": 0.08}
 TARGET = ("issue 12: a quality table (perplexity on a fixed English text from an installed "
           "package, greedy agreement with the float model) and resident weight bytes per "
           "method. Held here to: int8 and int4 weights below unquantized bfloat16 (int4 below "
           f"int8), perplexity within {PPL_LIMIT - 1:.0%} of float32 unquantized, and the test "
-          "suite's SmolLM2 agreement margins (prefix agreement >= 20% int8 / 35% int4, logprob "
+          "suite's SmolLM2 agreement margins (prefix agreement >= 20% int8 / 30% int4, logprob "
           "MAD <= 0.10 / 0.08 nats)")
 
 # (quantization, dtype); the first is the reference. OPTIONAL runs only where cheap (fused).

@@ -1,0 +1,100 @@
+// The tiles of varlen_attention.cpp over a bfloat16 cache with AVX512-BF16 (`vdpbf16ps`: two
+// bf16 products, exact in float, added to a float lane per instruction, twice the float FMA's
+// rate): scores straight from the cache rows, values paired along the keys.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve {
+namespace varlen {
+
+constexpr int64_t kKeys = 16;   // keys per tile
+constexpr int64_t kLanes = 16;  // query rows per vector: the loops run across rows
+constexpr int64_t kBlock = 8;   // keys (scores) or head dims (values) per register block
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kHaveDotBf16 = true;
+// tile_scores for a bfloat16 query and cache with AVX512-BF16: q2 holds the rows' (d, d+1)
+// pairs ([dim / 2][lanes] of 32 bits), each key's pair is broadcast straight from its cache
+// row and `vdpbf16ps` adds both products (exact in float) to the row's score.
+inline void tile_scores_bf16(const uint32_t* q2, int64_t stride, const uint32_t* const* kp,
+                             int64_t n, int64_t dim, float* s) {
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const uint32_t* key[kBlock];
+    for (int64_t k = 0; k < kBlock; ++k) key[k] = kp[std::min(j0 + k, n - 1)];
+    __m512 acc[kBlock];
+    for (int64_t k = 0; k < kBlock; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q2 + i * stride));
+      for (int64_t k = 0; k < kBlock; ++k) {
+        acc[k] = _mm512_dpbf16_ps(acc[k], qv, reinterpret_cast<__m512bh>(
+                                                  _mm512_set1_epi32(static_cast<int>(key[k][i]))));
+      }
+    }
+    for (int64_t k = 0; k < kBlock && j0 + k < n; ++k) _mm512_storeu_ps(s + (j0 + k) * kLanes,
+                                                                       acc[k]);
+  }
+}
+
+inline __m512i widen_pairs(__m256i lo, __m256i hi) {  // 16 bf16 + 16 bf16 -> 16 (lo, hi) pairs
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo),
+                         _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+// The tile's values as (key j, key j + 1) pairs per head dim ([kKeys / 2][dim] of 32 bits,
+// an odd last key paired with zero), read straight from the bfloat16 cache rows.
+inline void pair_values(const c10::BFloat16* const* vp, int64_t n, int64_t dim, uint32_t* v2) {
+  for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+    const c10::BFloat16 *a = vp[2 * jp], *b = 2 * jp + 1 < n ? vp[2 * jp + 1] : nullptr;
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d));
+      const __m256i hi = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d))
+                           : _mm256_setzero_si256();
+      _mm512_storeu_si512(v2 + jp * dim + d, widen_pairs(lo, hi));
+    }
+  }
+}
+
+// tile_values with AVX512-BF16: the group's probabilities rounded to bfloat16 and paired along
+// the keys like the values, so `vdpbf16ps` adds two keys' products per instruction.
+inline void tile_values_bf16(const float* p, const uint32_t* v2, int64_t n, int64_t dim,
+                             float* at, int64_t stride) {
+  __m512i p2[kKeys / 2];
+  const int64_t pairs = (n + 1) / 2;
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    const __m512 hi = 2 * jp + 1 < n ? _mm512_loadu_ps(p + (2 * jp + 1) * kLanes)
+                                     : _mm512_setzero_ps();
+    p2[jp] = widen_pairs(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                             _mm512_loadu_ps(p + 2 * jp * kLanes))),
+                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(hi)));
+  }
+  for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
+    __m512 acc[kBlock];
+    for (int64_t k = 0; k < kBlock; ++k) acc[k] = _mm512_loadu_ps(at + (d0 + k) * stride);
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      const __m512bh pv = reinterpret_cast<__m512bh>(p2[jp]);
+      for (int64_t k = 0; k < kBlock; ++k) {
+        acc[k] = _mm512_dpbf16_ps(acc[k], pv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(
+                                                  static_cast<int>(v2[jp * dim + d0 + k]))));
+      }
+    }
+    for (int64_t k = 0; k < kBlock; ++k) _mm512_storeu_ps(at + (d0 + k) * stride, acc[k]);
+  }
+}
+#else
+constexpr bool kHaveDotBf16 = false;
+inline void tile_scores_bf16(const uint32_t*, int64_t, const uint32_t* const*, int64_t, int64_t,
+                             float*) {}
+inline void pair_values(const c10::BFloat16* const*, int64_t, int64_t, uint32_t*) {}
+inline void tile_values_bf16(const float*, const uint32_t*, int64_t, int64_t, float*, int64_t) {}
+#endif
+
+}  // namespace varlen
+}  // namespace kvserve
