@@ -89,8 +89,9 @@ class AdaptiveStepBudget:
     def chunk_tokens(self, decode_contexts: Sequence[int], prefill_start: int) -> int:
         """The largest chunk (at least `min_chunk`; whole blocks from one block up) that keeps a
         step with these decodes within `multiple` x the decodes alone, for a prefill at
-        `prefill_start`; but never so small that the chunk's fixed cost (reading its prefix, on
-        backends that copy it out) outweighs its tokens'."""
+        `prefill_start`. Where not even `min_chunk` keeps it (a chunk's fixed cost, reading its
+        prefix on a backend that copies it out, is past the limit alone), the least chunk whose
+        tokens cost more than that fixed part."""
         cap = max(self.min_chunk, self.max_tokens - len(decode_contexts))
         if not self.model.ready:
             return min(cap, max(self.min_chunk, FALLBACK_CHUNK_TOKENS))
@@ -103,9 +104,12 @@ class AdaptiveStepBudget:
             chunk = step_features([(k, prefill_start + k)])
             return self.model.predict(add_features(decodes, chunk)) - alone
 
-        fits = self._largest(lambda k: extra(k) <= (self.multiple - 1.0) * alone, cap)
-        if extra(fits) - fixed >= fixed:
-            return fits
+        allowance = (self.multiple - 1.0) * alone
+        fits = self._largest(lambda k: extra(k) <= allowance, cap)
+        if extra(self.min_chunk) <= allowance:
+            return fits  # the streams' pace holds: the largest chunk that keeps it
+        # Not even the least chunk keeps the pace (its prefix alone costs more: a backend that
+        # copies the prefix out). The step will be long whatever the chunk: make it worth it.
         # the least chunk whose tokens cost more than the fixed part (whole blocks from a block)
         least = self._largest(lambda k: extra(k) - fixed < fixed, cap) + 1
         if least >= self.block_size:

@@ -8,7 +8,7 @@
 // softmax (running max and sum per row, the accumulators rescaled when the max grows) and the
 // values, accumulated in float, each K/V tile converted once for all rows. The loops run across
 // 16 query rows per vector; over a bfloat16 cache with AVX512-BF16 the scores and values take
-// bf16 dot products (varlen_bf16.h), elsewhere float FMAs. Query token i of a sequence
+// bf16 dot products, elsewhere float FMAs (the inner loops: varlen_tiles.h). Query token i of a sequence
 // with q_len tokens and context ctx sits at position ctx - q_len + i and sees keys at
 // positions <= its own (and > position - window with a window).
 
@@ -25,80 +25,39 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "convert.h"
 #include "ops.h"
 #include "paged.h"
-#include "varlen_bf16.h"
+#include "varlen_tiles.h"
 
 namespace kvserve {
 namespace {
 
-using namespace varlen;  // the tile sizes and the AVX512-BF16 tiles (varlen_bf16.h)
-
-// s[j][l] = k[j] . q[l] for the lanes of one 16-row group; qt holds the rows transposed
-// ([dim][lanes], this group's columns at qt), kr the tile's keys as rows ([kKeys][dim]).
-inline void tile_scores(const float* qt, int64_t stride, const float* kr, int64_t n,
-                        int64_t dim, float* s) {
-  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
-    float acc[kBlock][kLanes] = {};
-    for (int64_t d = 0; d < dim; ++d) {
-      const float* qd = qt + d * stride;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const float kv = kr[(j0 + k) * dim + d];
-#pragma omp simd
-        for (int64_t l = 0; l < kLanes; ++l) acc[k][l] += kv * qd[l];
-      }
-    }
-    for (int64_t k = 0; k < kBlock && j0 + k < n; ++k) {
-      std::copy(acc[k], acc[k] + kLanes, s + (j0 + k) * kLanes);
-    }
-  }
-}
-
-
-// at[d][l] += sum_j p[j][l] v[j][d] for one 16-row group (at: [dim][lanes] at its columns).
-inline void tile_values(const float* p, const float* vr, int64_t n, int64_t dim, float* at,
-                        int64_t stride) {
-  for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
-    float acc[kBlock][kLanes];
-    for (int64_t k = 0; k < kBlock; ++k) std::copy(at + (d0 + k) * stride,
-                                                  at + (d0 + k) * stride + kLanes, acc[k]);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* pj = p + j * kLanes;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const float vv = vr[j * dim + d0 + k];
-#pragma omp simd
-        for (int64_t l = 0; l < kLanes; ++l) acc[k][l] += vv * pj[l];
-      }
-    }
-    for (int64_t k = 0; k < kBlock; ++k) std::copy(acc[k], acc[k] + kLanes,
-                                                  at + (d0 + k) * stride);
-  }
-}
+using namespace varlen;  // the tiles' inner loops (varlen_tiles.h)
 
 struct Item {
   int64_t seq, kv_head, t0, t1;  // query tokens t0..t1-1 of the sequence
+  int64_t k0, k1;                // the part of their context this item reads (key positions)
   int64_t cost;                  // rows x keys read, for the order items are taken in
+  int64_t part;                  // -1: writes the output; else its slot among the partials
 };
 
-// Query tokens per item: the most (up to 32) that still make the work at least twice as many
-// of the biggest items as there are threads, so that a long chunk beside a few decodes still
-// spreads over the threads (fewer tokens per item: each item converts its K/V tiles again).
-int64_t tile_tokens(const std::vector<int64_t>& q_lens, const int32_t* lens, int64_t kv_heads,
-                    int64_t threads) {
-  int64_t total = 0, biggest = 0;
-  for (size_t s = 0; s < q_lens.size(); ++s) {
-    total += kv_heads * q_lens[s] * lens[s];
-    biggest = std::max<int64_t>(biggest, lens[s]);
-  }
-  int64_t t = 32;
-  while (t > 1 && t * biggest * 2 * threads > total) t /= 2;
-  return t;
+constexpr int64_t kTileTokens = 32;     // query tokens per item (at most)
+constexpr int64_t kMinSplitKeys = 256;  // the least context a split-off item reads
+
+// Keys a tile of query tokens t0..t1-1 reads: its first token's window start to its last
+// token's position.
+inline std::pair<int64_t, int64_t> key_range(int64_t first_pos, int64_t t0, int64_t t1,
+                                             int64_t window) {
+  const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos + t0 - window + 1) : 0;
+  return {first, first_pos + t1};
 }
 
-// One item: its rows' outputs, by an online softmax over its context's key tiles.
+// One item: its rows' outputs (or, for a part of a split context, its unnormalised partial
+// sums with their running max and sum), by an online softmax over its keys' tiles.
 template <typename QT, typename KT, bool kDot>
 struct Varlen {
   const QT* q;
@@ -109,7 +68,7 @@ struct Varlen {
   int64_t q_s0, q_s1, o_s0, o_s1, bt_s0, block_size, kv_heads, group, dim, window;
   float scale, v_scale;
 
-  void run(const Item& item, int64_t q_len, std::vector<float>& buf) const {
+  void run(const Item& item, int64_t q_len, std::vector<float>& buf, float* partial) const {
     const int64_t s = item.seq, g = item.kv_head, ctx = lens[s], first_pos = ctx - q_len;
     const int64_t rows = (item.t1 - item.t0) * group;
     const int64_t width = (rows + kLanes - 1) / kLanes * kLanes;  // rows padded to lanes
@@ -134,9 +93,7 @@ struct Varlen {
     }
     const uint32_t* kp[kKeys];
     const KT* vp[kKeys];
-    const int64_t key_end = first_pos + item.t1;  // the last token's position + 1
-    const int64_t key_first =
-        window > 0 ? std::max<int64_t>(0, first_pos + item.t0 - window + 1) : 0;
+    const int64_t key_first = item.k0, key_end = item.k1;
     const int32_t* table_row = tables + s * bt_s0;
     for (int64_t kb = key_first; kb < key_end; kb += kKeys) {
       const int64_t n = std::min(kKeys, key_end - kb);
@@ -172,9 +129,42 @@ struct Varlen {
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
+      if (partial != nullptr) {  // rows x (dim sums, max, sum)
+        float* pr = partial + r * (dim + 2);
+        for (int64_t d = 0; d < dim; ++d) pr[d] = at[d * width + r];
+        pr[dim] = m[r];
+        pr[dim + 1] = l[r];
+        continue;
+      }
       QT* out = o + (starts[s] + item.t0 + r / group) * o_s0 + (g * group + r % group) * o_s1;
       const float norm = l[r] > 0.0f ? v_scale / l[r] : 0.0f;
       for (int64_t d = 0; d < dim; ++d) out[d] = from_f<QT>(at[d * width + r] * norm);
+    }
+  }
+
+  // The output rows of a tile of query tokens whose context was split over `parts` items
+  // (their partials `stride` apart): each part's sums rescaled to the common max, over the
+  // parts' total sum.
+  void merge(const Item& item, const float* partials, int64_t stride, int64_t parts) const {
+    const int64_t rows = (item.t1 - item.t0) * group;
+    std::vector<float> acc(dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      float mx = -INFINITY, sum = 0.0f;
+      for (int64_t p = 0; p < parts; ++p) {
+        mx = std::max(mx, partials[p * stride + r * (dim + 2) + dim]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t p = 0; p < parts && mx != -INFINITY; ++p) {
+        const float* pr = partials + p * stride + r * (dim + 2);
+        if (pr[dim] == -INFINITY) continue;
+        const float w = exp_nonpositive(pr[dim] - mx);
+        sum += w * pr[dim + 1];
+        for (int64_t d = 0; d < dim; ++d) acc[d] += w * pr[d];
+      }
+      const int64_t t = item.t0 + r / group, h = item.kv_head * group + r % group;
+      QT* out = o + (starts[item.seq] + t) * o_s0 + h * o_s1;
+      const float norm = sum > 0.0f ? v_scale / sum : 0.0f;
+      for (int64_t d = 0; d < dim; ++d) out[d] = from_f<QT>(acc[d] * norm);
     }
   }
 
@@ -262,16 +252,46 @@ void run_items(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cac
   std::vector<int64_t> q_lens(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) q_lens[s] = starts[s + 1] - starts[s];
   const int64_t threads = at::get_num_threads();
-  const int64_t tile = tile_tokens(q_lens, lens, kv_heads, threads);
-  std::vector<Item> items;
+  // Tiles of up to kTileTokens query tokens per KV head; a tile whose context is a large share
+  // of the work (a short chunk deep into a long prompt) is split along its keys into parts of
+  // at least kMinSplitKeys, so the threads share it without cutting its rows (fewer rows per
+  // item would fill fewer vector lanes and read the context again per item).
+  std::vector<Item> whole;
+  int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t t0 = 0; t0 < q_lens[s]; t0 += tile) {
-      const int64_t t1 = std::min(q_lens[s], t0 + tile);
+    for (int64_t t0 = 0; t0 < q_lens[s]; t0 += kTileTokens) {
+      const int64_t t1 = std::min(q_lens[s], t0 + kTileTokens);
+      const auto [k0, k1] = key_range(lens[s] - q_lens[s], t0, t1, window);
       for (int64_t g = 0; g < kv_heads; ++g) {
-        items.push_back({s, g, t0, t1, (t1 - t0) * (lens[s] - q_lens[s] + t1)});
+        whole.push_back({s, g, t0, t1, k0, k1, (t1 - t0) * (k1 - k0), -1});
+        total += whole.back().cost;
       }
     }
   }
+  const int64_t share = std::max<int64_t>(1, total / (4 * threads));
+  std::vector<Item> items, merges;  // merges: each split tile, its parts' slots from `part`
+  std::vector<int64_t> merge_parts;
+  int64_t num_partials = 0;
+  for (const Item& item : whole) {
+    const int64_t keys = item.k1 - item.k0;
+    const int64_t parts = std::min((item.cost + share - 1) / share, keys / kMinSplitKeys);
+    if (parts <= 1) {
+      items.push_back(item);
+      continue;
+    }
+    const int64_t per = (keys / parts + kKeys - 1) / kKeys * kKeys;
+    merges.push_back(item);
+    merges.back().part = num_partials;
+    merge_parts.push_back(0);
+    for (int64_t k0 = item.k0; k0 < item.k1; k0 += per) {
+      const int64_t k1 = std::min(item.k1, k0 + per);
+      items.push_back({item.seq, item.kv_head, item.t0, item.t1, k0, k1,
+                       (item.t1 - item.t0) * (k1 - k0), num_partials++});
+      ++merge_parts.back();
+    }
+  }
+  const int64_t stride = kTileTokens * call.group * (call.dim + 2);  // floats per partial
+  std::vector<float> partials(num_partials * stride);
   // Largest first, taken by whichever thread is free: the work balances across the threads.
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -280,7 +300,16 @@ void run_items(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cac
   at::parallel_for(0, std::min(threads, count), 1, [&](int64_t, int64_t) {
     std::vector<float> buf;
     for (int64_t i = next++; i < count; i = next++) {
-      call.run(items[i], q_lens[items[i].seq], buf);
+      const Item& item = items[i];
+      call.run(item, q_lens[item.seq], buf,
+               item.part < 0 ? nullptr : partials.data() + item.part * stride);
+    }
+  });
+  std::atomic<int64_t> next_merge{0};
+  const int64_t num_merges = static_cast<int64_t>(merges.size());
+  at::parallel_for(0, std::min(threads, num_merges), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next_merge++; i < num_merges; i = next_merge++) {
+      call.merge(merges[i], partials.data() + merges[i].part * stride, stride, merge_parts[i]);
     }
   });
 }

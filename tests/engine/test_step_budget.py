@@ -134,14 +134,18 @@ def test_prefill_progresses_by_min_chunk_tokens_even_when_nothing_fits() -> None
     add(s, "d", 8)
     run_step(s)
     long = add(s, "long", 100)
-    sizes = [chunk_of(run_step(s), "long") for _ in range(25)]
-    assert sizes == [MIN_CHUNK_TOKENS] * 25  # the least chunk a step, to the last token
-    assert long.num_output_tokens == 1
+    sizes = []
+    while long.num_output_tokens == 0 and len(sizes) < 30:
+        sizes.append(chunk_of(run_step(s), "long"))
+    assert long.num_output_tokens == 1 and sum(sizes) == 100
+    # a few tokens a step (the least that costs more than the step's fixed part), never none
+    assert all(MIN_CHUNK_TOKENS <= n < 16 for n in sizes[:-1])
 
 
 def test_a_chunk_is_never_smaller_than_what_amortizes_reading_its_prefix() -> None:
-    """Deep into a long prompt a chunk first re-reads its whole prefix: a chunk of one block
-    would spend most of its step on that, so the chunk grows until its tokens cost more."""
+    """On a backend that copies a chunk's prefix out, deep into a long prompt even the least
+    chunk takes the step past the limit: the chunk then grows until its tokens cost more than
+    that read; while the least chunk keeps the pace, the largest that keeps it wins."""
     model = StepCostModel()  # decodes cost 10 ms; a chunk 1 ms a token plus 0.1 ms per
     for rows in ([(1, 16)], [(1, 16)] * 4, [(1, 16), (16, 16)], [(1, 16), (16, 1016)],
                  [(1, 16), (64, 1064)], [(1, 16), (64, 64)]):  # context token of its prefix
@@ -152,7 +156,8 @@ def test_a_chunk_is_never_smaller_than_what_amortizes_reading_its_prefix() -> No
     assert 8 < budget.chunk_tokens([64], 0) < 16  # ~15 ms fits 2.5 x 10 ms: tokens, not a block
     deep = budget.chunk_tokens([64], 1600)  # prefix read 160 ms: ~160 tokens cost more
     assert 150 <= deep <= 176 and deep % 16 == 0
-    assert 10 < budget.chunk_tokens([64], 100) < 16  # 10 ms fixed: ~11 tokens cost more
+    # 2 ms fixed: the least chunk keeps the pace, so the largest that does (~13 tokens)
+    assert 8 < budget.chunk_tokens([64], 20) < 16
 
 
 def test_before_any_measurement_the_chunk_falls_back_to_a_fixed_size() -> None:

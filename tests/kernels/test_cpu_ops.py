@@ -120,6 +120,14 @@ def test_varlen_attention_fp8_cache(cache_dtype: torch.dtype, dtype: torch.dtype
     attention_case(*MIXED, dtype=dtype, cache_dtype=cache_dtype, scales=(0.5, 1.7))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 700])
+def test_varlen_attention_split_context(dtype: torch.dtype, window: int | None) -> None:
+    """Short chunks deep into long contexts: their keys are split over several items whose
+    partial sums are merged (with one thread or many)."""
+    attention_case([3, 1, 5], [2000, 10, 1300], dtype=dtype, window=window)
+
+
 def test_varlen_attention_fresh_prefills() -> None:
     """Whole prompts with no cached prefix (the torch twin's causal SDPA), one of them long."""
     attention_case([45, 300, 2], [0, 0, 0])

@@ -1,6 +1,8 @@
-// The tiles of varlen_attention.cpp over a bfloat16 cache with AVX512-BF16 (`vdpbf16ps`: two
-// bf16 products, exact in float, added to a float lane per instruction, twice the float FMA's
-// rate): scores straight from the cache rows, values paired along the keys.
+// The inner loops of varlen_attention.cpp: a tile's scores and values for 16 query rows at a
+// time (the rows are the vector lanes), in float FMAs, and over a bfloat16 cache with
+// AVX512-BF16 (`vdpbf16ps`: two bf16 products, exact in float, added to a float lane per
+// instruction, twice the float FMA's rate): scores straight from the cache rows, values paired
+// along the keys.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -18,6 +20,47 @@ namespace varlen {
 constexpr int64_t kKeys = 16;   // keys per tile
 constexpr int64_t kLanes = 16;  // query rows per vector: the loops run across rows
 constexpr int64_t kBlock = 8;   // keys (scores) or head dims (values) per register block
+
+// s[j][l] = k[j] . q[l] for the lanes of one 16-row group; qt holds the rows transposed
+// ([dim][lanes], this group's columns at qt), kr the tile's keys as rows ([kKeys][dim]).
+inline void tile_scores(const float* qt, int64_t stride, const float* kr, int64_t n,
+                        int64_t dim, float* s) {
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    float acc[kBlock][kLanes] = {};
+    for (int64_t d = 0; d < dim; ++d) {
+      const float* qd = qt + d * stride;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const float kv = kr[(j0 + k) * dim + d];
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) acc[k][l] += kv * qd[l];
+      }
+    }
+    for (int64_t k = 0; k < kBlock && j0 + k < n; ++k) {
+      std::copy(acc[k], acc[k] + kLanes, s + (j0 + k) * kLanes);
+    }
+  }
+}
+
+
+// at[d][l] += sum_j p[j][l] v[j][d] for one 16-row group (at: [dim][lanes] at its columns).
+inline void tile_values(const float* p, const float* vr, int64_t n, int64_t dim, float* at,
+                        int64_t stride) {
+  for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
+    float acc[kBlock][kLanes];
+    for (int64_t k = 0; k < kBlock; ++k) std::copy(at + (d0 + k) * stride,
+                                                  at + (d0 + k) * stride + kLanes, acc[k]);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* pj = p + j * kLanes;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const float vv = vr[j * dim + d0 + k];
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) acc[k][l] += vv * pj[l];
+      }
+    }
+    for (int64_t k = 0; k < kBlock; ++k) std::copy(acc[k], acc[k] + kLanes,
+                                                  at + (d0 + k) * stride);
+  }
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr bool kHaveDotBf16 = true;
