@@ -248,11 +248,13 @@ def _device_label(device: torch.device) -> str:
 
 
 def capacity_log_lines(plan: KVCachePlan, device: torch.device, max_model_len: int,
-                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
-                       ) -> list[str]:
+                       tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, *,
+                       weight_bytes: int = 0, offloaded_bytes: int = 0) -> list[str]:
     """vLLM's three capacity lines: available memory, KV cache size, maximum concurrency. With
     tensor parallelism `plan` is one rank's (its share of the KV heads): the memory is per rank,
-    while every rank holds all the tokens, as vLLM counts them."""
+    while every rank holds all the tokens, as vLLM counts them. With --cpu-offload-gb a fourth
+    says where the weights are: `weight_bytes` on the device (what the budget subtracted),
+    `offloaded_bytes` in CPU memory."""
     per_rank = "" if tensor_parallel_size == 1 else \
         f" per rank (tensor parallel size {tensor_parallel_size}, " \
         f"{format_gib(plan.available_bytes * tensor_parallel_size)} in all)"
@@ -264,4 +266,6 @@ def capacity_log_lines(plan: KVCachePlan, device: torch.device, max_model_len: i
         f"{_device_label(device)} KV cache size: {plan.num_tokens:,} tokens",
         f"Maximum concurrency for {max_model_len:,} tokens per request: "
         f"{plan.max_concurrency(max_model_len):.2f}x",
-    ]
+    ] + ([f"Model weights on {_device_label(device)}: {format_gib(weight_bytes)}, CPU offload "
+          f"(--cpu-offload-gb): {format_gib(offloaded_bytes)} in CPU memory, not counted "
+          "against the KV budget"] if offloaded_bytes > 0 else [])

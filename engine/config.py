@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +212,11 @@ class EngineArgs:
         1, "pipeline stages: contiguous layers (and their KV cache) on N processes, hidden "
         "states passed between them (gloo on CPU, NCCL on CUDA); N <= the model's layers; not "
         "combined with --tensor-parallel-size yet", plan=True, aliases=("-pp",))
+    cpu_offload_gb: float = _flag(
+        0.0, "GiB of the decoder layers' weights (whole tensors, layers in order) kept in CPU "
+        "memory, pinned on CUDA, and copied to the device per layer each forward, as vLLM: "
+        "frees that much GPU memory for the KV cache at the cost of the copies; decode runs "
+        "without CUDA graphs (default: 0, none)", plan=True)
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's choice, usually "
                                     "the cores)")
     attention_backend: str = _flag("auto", "attention kernels: auto = triton on CUDA, kvserve's "
@@ -295,6 +301,9 @@ class EngineArgs:
             raise ValueError(
                 "tensor_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet: "
                 "use --tensor-parallel-size N or --pipeline-parallel-size N alone")
+        if not math.isfinite(self.cpu_offload_gb) or self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb (--cpu-offload-gb) must be a number of GiB >= 0, "
+                             f"got {self.cpu_offload_gb}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got "
                              f"{self.attention_backend!r}")

@@ -108,8 +108,10 @@ class LLMEngine:
         # --pipeline-parallel-size N: stages 0..N-2 are spawned; this process is the last.
         self.pp = start_pipeline_parallel(args, self.model_config, self.max_model_len, device)
         # The model's thread first: loading and profiling run on it as the steps will (see
-        # engine/worker/worker.py on why one thread must do all of the torch work).
-        self.worker = Worker(args.num_threads)
+        # engine/worker/worker.py on why one thread must do all of the torch work). With TP or
+        # PP, rank 0 computes there with its share of the threads, as each spawned rank does.
+        ranks = self.tp or self.pp
+        self.worker = Worker(ranks.num_threads if ranks is not None else args.num_threads)
         try:
             runner = self.worker.call(self._build_runner, device)
             # Without --max-num-batched-tokens the budget adapts to measured step costs.
@@ -171,7 +173,9 @@ class LLMEngine:
         plan = plan_kv_cache(stage_kv_config(rank_model_config(self.model_config, tp), pp),
                              self.args, runner.device, runner.dtype, runner.weight_bytes(), peak,
                              self.max_model_len)
-        for line in capacity_log_lines(plan, runner.device, self.max_model_len, tp, pp):
+        for line in capacity_log_lines(plan, runner.device, self.max_model_len, tp, pp,
+                                       weight_bytes=runner.weight_bytes(),
+                                       offloaded_bytes=runner.offloaded_bytes()):
             logger.info(line)
         check_max_model_len_fits(plan, self.max_model_len, runner.device)
         runner.allocate_kv_cache(plan.num_blocks)
@@ -351,4 +355,7 @@ class LLMEngine:
                 "num_kv_cache_tokens": plan.num_blocks * args.block_size,
                 "max_concurrency": plan.max_concurrency(self.max_model_len),
                 "cache_dtype": args.kv_cache_dtype,
-                "enable_prefix_caching": args.enable_prefix_caching}
+                "enable_prefix_caching": args.enable_prefix_caching,
+                "cpu_offload_gb": args.cpu_offload_gb,
+                "weight_bytes": self.runner.weight_bytes(),  # on the device
+                "offloaded_weight_bytes": self.runner.offloaded_bytes()}

@@ -45,6 +45,7 @@ from engine.distributed.parallel_state import (
     vocab_per_rank,
 )
 from engine.quantization import quantized_weight_bytes
+from engine.worker.offload import planned_layer_tensor_bytes, planned_offload_bytes
 
 CANDIDATE_MODEL_LENS = (2048, 4096, 8192, 16384, 32768)
 # Tokens in the profiling forward pass when --max-num-batched-tokens is not given: vLLM V1's
@@ -118,6 +119,7 @@ class PlanReport:
     recommendation: Recommendation | None
     tensor_parallel_size: int = 1
     rank_config: ModelConfig | None = None  # one rank's shapes; None: the whole model
+    offloaded_bytes: int = 0  # of weight_bytes, kept in CPU memory by --cpu-offload-gb
 
     @property
     def kv_config(self) -> ModelConfig:
@@ -216,10 +218,12 @@ def build_plan(args: EngineArgs, memory_bytes: int,
     rank = rank_model_config(cfg, tp)
     weight_bytes = quantized_weight_bytes(rank_weight_config(cfg, tp), args.quantization, dtype,
                                           args.quantization_group_size)
+    offloaded, _ = planned_offload_bytes(rank, args.cpu_offload_gb, planned_layer_tensor_bytes(
+        rank, args.quantization, dtype, args.quantization_group_size))
     # The same step budget `serve` would use for these flags (and so the same activation peak).
     step_tokens = resolve_max_num_batched_tokens(args, user_len or cfg.max_position_embeddings)
     activation = estimate_activation_reserve(rank, dtype.itemsize, step_tokens, args.max_num_seqs)
-    available = (int(memory_bytes * args.gpu_memory_utilization) - weight_bytes
+    available = (int(memory_bytes * args.gpu_memory_utilization) - weight_bytes + offloaded
                  - activation.total_bytes)
     plan = make_kv_cache_plan(rank, args.kv_cache_dtype, dtype, args.block_size, available)
     alt_dtype = "fp8_e4m3" if args.kv_cache_dtype == "auto" else "auto"
@@ -228,7 +232,7 @@ def build_plan(args: EngineArgs, memory_bytes: int,
                             user_len)
     return PlanReport(label, cfg, memory_bytes, args, dtype, weight_bytes, activation, plan,
                       alt_dtype, alt_plan, rows, recommend(rows, args.max_num_seqs), tp,
-                      rank if tp > 1 else None)
+                      rank if tp > 1 else None, offloaded)
 
 
 def rank_weight_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
@@ -259,7 +263,7 @@ def _memory_lines(r: PlanReport) -> list[str]:
     """Where the memory goes: budget, weights, activation reserve, KV cache."""
     a = r.activation
     params = rank_weight_config(r.model_config, r.tensor_parallel_size).num_params()
-    return [
+    lines = [
         f"Memory{' per GPU' if r.rank_config else ''}: {format_gib(r.memory_bytes)} x "
         f"--gpu-memory-utilization "
         f"{r.args.gpu_memory_utilization} = {format_gib(r.budget_bytes)}",
@@ -277,8 +281,14 @@ def _memory_lines(r: PlanReport) -> list[str]:
         f"2 x (q + kv)) x {a.dtype_bytes} B + {a.max_num_seqs} seqs x {a.vocab_size:,} vocab x "
         f"{SAMPLER_BYTES_PER_LOGIT} B (fp32 logits + probs)",
         f"  KV cache            {format_gib(r.kv_plan.available_bytes):>11}  = budget - weights "
-        "- activation reserve (kvserve serve measures the real activation peak at startup)",
+        f"{'+ CPU offload ' if r.offloaded_bytes else ''}- activation reserve (kvserve serve "
+        "measures the real activation peak at startup)",
     ]
+    if r.offloaded_bytes:  # whole tensors of the decoder layers, in order, as serve moves them
+        lines.insert(2, f"  CPU offload         {format_gib(r.offloaded_bytes):>11}  of those "
+                     f"weights in CPU memory, not on the GPU: --cpu-offload-gb "
+                     f"{r.args.cpu_offload_gb:g}, whole decoder-layer tensors in order")
+    return lines
 
 
 def _kv_lines(r: PlanReport) -> list[str]:
@@ -321,7 +331,9 @@ def _recommendation_lines(r: PlanReport) -> list[str]:
         return lines + [f"Nothing fits: not even one {r.rows[0].max_model_len:,}-token request "
                         "fits in the KV cache. Fix in this order:"] + [
             f"  {step}" for step in triage_steps(PLAN_DEVICE, fitting or None)]
-    log = capacity_log_lines(r.kv_plan, PLAN_DEVICE, rec.max_model_len, r.tensor_parallel_size)
+    log = capacity_log_lines(r.kv_plan, PLAN_DEVICE, rec.max_model_len, r.tensor_parallel_size,
+                             weight_bytes=r.weight_bytes - r.offloaded_bytes,
+                             offloaded_bytes=r.offloaded_bytes)
     return lines + ["Expected startup log of kvserve serve with these flags:"] + [
         f"  {line}" for line in log] + [
         f"Recommended flags: --max-model-len {rec.max_model_len} --gpu-memory-utilization "

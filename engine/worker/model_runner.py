@@ -37,6 +37,7 @@ from engine.quantization.checkpoint import (
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.worker.input_batch import decode_batch, prepare_inputs, with_history
+from engine.worker.offload import CPUOffload, offload_to_cpu
 from engine.worker.sampler import Sampler
 from kernels.selector import get_attention_backend
 
@@ -64,6 +65,7 @@ class ModelRunner:
         # Refuses what the kernels cannot run (block size, fp8 on an older GPU) before loading.
         self.backend = get_attention_backend(args.attention_backend, device, args.block_size,
                                              self.kv_cache_dtype())
+        self.offload: CPUOffload | None = None  # --cpu-offload-gb's weights in host memory
         self.model = self._load_model(source, max_model_len)
         self.sampler = Sampler(device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -94,16 +96,21 @@ class ModelRunner:
                 checkpoint = CheckpointCodes(quant)
         # Quantized methods start from float32 weights (not ones already rounded to 16 bits).
         load_dtype = self.dtype if quantization == "none" else torch.float32
+        # With an offload budget on CUDA the model loads in host memory first: the part that
+        # stays there never takes GPU memory, the rest moves over (engine/worker/offload.py).
+        offload = self.args.cpu_offload_gb > 0
+        host_first = offload and self.device.type == "cuda"
         with torch.device("meta"):
             model = build_model(self.config, self.backend, max_model_len, self.device,
                                 self.parallel) if self.stage is None else \
                 build_stage_model(self.config, self.backend, max_model_len, self.device,
                                   self.stage)
-        model = model.to(dtype=load_dtype).to_empty(device=self.device)
+        model = model.to(dtype=load_dtype).to_empty(
+            device=torch.device("cpu") if host_first else self.device)
         if self.config.tie_word_embeddings:  # to_empty unties shared parameters
             model.lm_head.weight = model.embed_tokens.weight
         if self.args.load_format == "dummy":
-            _init_dummy_weights(model)
+            _init_dummy_weights(model, self.device)
         else:
             if checkpoint is not None and quantization == "gguf":
                 weights = iter_gguf_weights(source.path, load_dtype, checkpoint.layers)
@@ -123,16 +130,30 @@ class ModelRunner:
                    f"{report.lm_head}")
         if self.device.type == "cpu":
             pack_linears(model)
-        self._weight_bytes = resident_weight_bytes(model)
+        self.offload = offload_to_cpu(model, self.args.cpu_offload_gb, self.device) \
+            if offload else None
+        self._weight_bytes = resident_weight_bytes(model) - self.offloaded_bytes()
+        if self.offload is not None:
+            how += f"; {format_gib(self.offloaded_bytes())} more offloaded to CPU memory"
         logger.info("Model loading took %s and %.2f seconds (%s weights, %s)",
                     format_gib(self._weight_bytes), time.perf_counter() - start,
                     str(self.dtype).removeprefix("torch."), how)
+        if self.offload is not None and self.device.type == "cuda" and \
+                not self.args.enforce_eager:
+            logger.info("--cpu-offload-gb: decode steps run eagerly, as with --enforce-eager "
+                        "(a captured CUDA graph would keep the offloaded weights' device copies "
+                        "resident)")
         return model.eval()
 
     def weight_bytes(self) -> int:
-        """Bytes the weights occupy as loaded: quantized codes and scales where --quantization
-        is on (tied tensors counted once)."""
+        """Bytes the weights occupy on the device as loaded: quantized codes and scales where
+        --quantization is on (tied tensors counted once), less what --cpu-offload-gb moved to
+        host memory."""
         return self._weight_bytes
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of weights --cpu-offload-gb keeps in host memory (0 without it)."""
+        return 0 if self.offload is None else self.offload.offloaded_bytes
 
     def kv_cache_dtype(self) -> torch.dtype:
         """Element type of the KV tensors: the model dtype for `auto`, else the fp8 type."""
@@ -143,6 +164,7 @@ class ModelRunner:
         """Decode graphs need CUDA, a backend without host syncs (Triton) and no
         --enforce-eager."""
         return (self.device.type == "cuda" and not self.args.enforce_eager
+                and self.offload is None  # the copies must not live in a graph's pool
                 and self.parallel is None  # a graph cannot replay rank 0's step broadcasts
                 and self.stage is None
                 and bool(getattr(self.backend, "supports_cuda_graphs", False)))
@@ -247,14 +269,15 @@ class ModelRunner:
         return result
 
 @torch.no_grad()
-def _init_dummy_weights(model: torch.nn.Module) -> None:
-    """vLLM's `load_format=dummy`: small seeded random weights (norms at 1), drawn on the
-    weights' own device, for measuring a model shape without its checkpoint."""
-    generators: dict[torch.device, torch.Generator] = {}
+def _init_dummy_weights(model: torch.nn.Module, device: torch.device) -> None:
+    """vLLM's `load_format=dummy`: small seeded random weights (norms at 1), drawn on
+    `device`, for measuring a model shape without its checkpoint (the same values when
+    --cpu-offload-gb loads the model in host memory first)."""
+    gen = torch.Generator(device=device).manual_seed(0)
     for name, param in model.named_parameters():
         if "norm" in name:
             param.fill_(1.0)
-            continue
-        gen = generators.setdefault(param.device,
-                                    torch.Generator(device=param.device).manual_seed(0))
-        param.normal_(0.0, 0.02, generator=gen)
+        elif param.device == device:
+            param.normal_(0.0, 0.02, generator=gen)
+        else:
+            param.copy_(torch.empty_like(param, device=device).normal_(0.0, 0.02, generator=gen))

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from engine.async_engine import AsyncEngine
@@ -142,6 +143,7 @@ def test_kv_capacity_is_per_stage(tiny_llama_dir: Path,
     pp = llm.engine.pp  # its own store port and group names; a share of the threads each
     assert pp is not None and pp.prefix.startswith("kvserve-pp-") and pp.store.port > 0
     assert any(f"{pp.num_threads} CPU threads per rank" in line for line in lines)
+    assert llm.engine.worker.call(torch.get_num_threads) == pp.num_threads  # rank 0 too
 
 
 def test_plan_shows_per_stage_figures(tiny_llama_dir: Path,

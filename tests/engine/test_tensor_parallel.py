@@ -212,6 +212,15 @@ def test_killed_rank_mid_stream_kills_async_engine(tiny_llama_dir: Path) -> None
     assert llm.engine.tp is not None and all(not p.is_alive() for p in llm.engine.tp.procs)
 
 
+def test_rank_zero_computes_with_its_share_of_the_threads(
+        tp_llama: tuple[LLM, list[str]]) -> None:
+    """Rank 0's worker thread (where it computes) runs --num-threads / TP threads, as each
+    spawned rank does, not the total (which oversubscribed the cores)."""
+    engine = tp_llama[0].engine
+    assert engine.tp is not None
+    assert engine.worker.call(torch.get_num_threads) == engine.tp.num_threads
+
+
 def test_two_engines_side_by_side(tiny_llama_dir: Path,
                                   tp_llama: tuple[LLM, list[str]]) -> None:
     """A second TP engine beside the first: its own port and groups; both answer alike."""
