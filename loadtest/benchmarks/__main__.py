@@ -38,6 +38,7 @@ REGISTRY = [
     ("structured_output", "loadtest.benchmarks.structured_output", None),
     ("gpu_check", "loadtest.benchmarks.gpu_check", None),
     ("llamacpp", "loadtest.benchmarks.llamacpp_peer", None),
+    ("distributed", "loadtest.benchmarks.distributed", None),
 ]
 Results = dict[str, dict[str, Any]]  # registry key -> result
 

@@ -72,12 +72,12 @@ def test_page_lists_every_verdict_and_survives_a_crash(monkeypatch: pytest.Monke
 def test_registry_names_every_benchmark_of_the_issue() -> None:
     names = [suite.load(m, a).NAME.lower() for _, m, a in suite.REGISTRY]
     for word in ("offline", "batch-1", "serving", "waste", "prefix", "chunked", "overhead",
-                 "fp8", "gpu", "structured output", "llama.cpp"):
+                 "fp8", "gpu", "structured output", "llama.cpp", "parallel"):
         assert any(word in n for n in names), word
     for _, m, a in suite.REGISTRY:
         bench = suite.load(m, a)
         assert callable(bench.run) and callable(bench.render) and bench.COMMAND
-    assert len({k for k, _, _ in suite.REGISTRY}) == len(suite.REGISTRY) == 12
+    assert len({k for k, _, _ in suite.REGISTRY}) == len(suite.REGISTRY) == 13
 
 
 class Skipping(Passing):
