@@ -45,7 +45,7 @@ inline void tile_scores(const float* qt, int64_t stride, const float* kr, int64_
 // at[d][l] += sum_j p[j][l] v[j][d] for one 16-row group (at: [dim][lanes] at its columns).
 inline void tile_values(const float* p, const float* vr, int64_t n, int64_t dim, float* at,
                         int64_t stride) {
-  for (int64_t d0 = 0; d0 < dim; d0 += kBlock) {
+  for (int64_t d0 = 0; d0 + kBlock <= dim; d0 += kBlock) {
     float acc[kBlock][kLanes];
     for (int64_t k = 0; k < kBlock; ++k) std::copy(at + (d0 + k) * stride,
                                                   at + (d0 + k) * stride + kLanes, acc[k]);
@@ -59,6 +59,14 @@ inline void tile_values(const float* p, const float* vr, int64_t n, int64_t dim,
     }
     for (int64_t k = 0; k < kBlock; ++k) std::copy(acc[k], acc[k] + kLanes,
                                                   at + (d0 + k) * stride);
+  }
+  for (int64_t d = dim - dim % kBlock; d < dim; ++d) {  // a head size not a multiple of 8
+    float* ad = at + d * stride;
+    for (int64_t j = 0; j < n; ++j) {
+      const float vv = vr[j * dim + d];
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) ad[l] += vv * p[j * kLanes + l];
+    }
   }
 }
 

@@ -300,8 +300,10 @@ def render(result: dict[str, Any]) -> str:
         "The default (no --max-num-batched-tokens) is adaptive: a step with no decodes takes "
         "up to max-model-len (8192 here) tokens, and a step carrying decodes gets a chunk sized "
         "from measured step costs (profiled at startup, refit on the last 64 steps) to stay "
-        "within 2.5x a decode-only step, at least one block, smaller as the chunk's context "
-        "grows. 'p99/before' compares the window's p99 with undisturbed decoding (the adaptive "
+        "within 2.5x a decode-only step, smaller as the chunk's context grows (whole blocks "
+        "from one block up, then tokens down to 4; where even 4 tokens cannot keep the step "
+        "within 2.5x, as deep into this prompt, the chunk grows until its tokens cost more "
+        "than its attention's fixed part). 'p99/before' compares the window's p99 with undisturbed decoding (the adaptive "
         "target); p99/p50 inside the window (the small budget's target) needs enough gaps to "
         "mean something: with the large budget a decoder has only a few, one of which is the "
         "stall, so read its max gap instead.",

@@ -99,7 +99,7 @@ MIXED = ([1, 37, 1, 70, 3], [50, 0, 9, 130, 400])  # chunks across tiles, lanes 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [(4, 4), (9, 3), (8, 1)])
-@pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 36, 40, 64, 128])
 def test_varlen_attention_matches_torch(dtype: torch.dtype, group: tuple[int, int],
                                         head_dim: int) -> None:
     """varlen_attention (prefill chunks attending over their cached prefix and causally over
