@@ -34,6 +34,10 @@ class IncrementalDetokenizer:
         # detokenizer of one tokenizer and skip_special_tokens setting: see DecodeCache).
         # Once text flows, each step's prefix is the one token the last step added.
         self.singles: dict[int, str] = {} if singles is None else singles
+        # Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2): the text of a run of ids is its tokens'
+        # bytes decoded as one, so once the last token's text is complete the next one's is
+        # exactly what it adds (see update).
+        self.additive = self._raw_decode is not None and is_byte_level(tokenizer)
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -49,6 +53,20 @@ class IncrementalDetokenizer:
         ids.append(token_id)
         decode, skip = self._decode_ids, self.skip_special
         prefix_offset, read_offset = self.prefix_offset, self.read_offset
+        if self.additive and read_offset - prefix_offset == 1 and len(ids) == read_offset + 1:
+            # The usual step: the last token's text was complete (it advanced the offsets, and
+            # no token waits behind it); when this one's is complete too (no replacement
+            # character from a partial UTF-8 sequence, nothing skipped), the pair decodes to the
+            # two texts joined, so its delta is its own text, with no decode of the pair.
+            singles = self.singles
+            delta = singles.get(token_id)
+            if delta is None:
+                delta = singles[token_id] = decode([token_id], skip)
+            prefix = singles.get(ids[prefix_offset])
+            if delta and prefix and "\ufffd" not in delta and "\ufffd" not in prefix:
+                self.prefix_offset, self.read_offset = read_offset, len(ids)
+                self.text += delta
+                return self._check_stop(len(delta)) if self.stop else None
         if read_offset - prefix_offset == 1:
             prefix = self.singles.get(ids[prefix_offset])
             if prefix is None:
@@ -100,6 +118,13 @@ class DecodeCache:
     def singles(self, skip_special_tokens: bool) -> dict[int, str]:
         """The id -> text dict for this setting."""
         return self._by_skip[bool(skip_special_tokens)]
+
+
+def is_byte_level(tokenizer: Any) -> bool:
+    """Whether the Rust tokenizer behind `tokenizer` decodes with the byte-level decoder alone
+    (no Strip, Replace or ByteFallback steps that depend on a token's neighbours)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
 
 
 def fast_decoder(tokenizer: Any) -> DecodeFn | None:

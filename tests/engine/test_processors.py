@@ -120,3 +120,41 @@ def test_logprob_texts_are_filled_once_and_reach_both_kinds() -> None:
         for token, entry in zip(request.output_token_ids, entries, strict=True):
             assert entry[token].decoded_token == TOKENIZER.decode([token])
         assert entries[0] is request.logprobs[0]  # the sampler's object, not a copy
+
+
+def _stream(tokenizer: Any, ids: list[int], params: SamplingParams, additive: bool
+            ) -> list[tuple[str | None, str]]:
+    from engine.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, [5, 6, 7], params)
+    detok.additive = additive
+    steps = []
+    for token in ids:
+        stop = detok.update(token)
+        steps.append((stop, detok.take_delta(stop is not None)))
+        if stop is not None:
+            break
+    return steps
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+@pytest.mark.parametrize("skip, stop", [(True, []), (False, []), (True, ["e ", "\n"])])
+def test_byte_level_deltas_equal_the_pair_decodes(which: str, skip: bool,
+                                                  stop: list[str]) -> None:
+    """Byte-level tokenizers take each token's own text as its delta once the last one's was
+    complete: on random id streams (byte tokens that split UTF-8 sequences, special tokens)
+    every step's delta and stop equal those of decoding the pair, as before the shortcut."""
+    import random
+
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.model_loader.loader import load_tokenizer, resolve_model
+
+    tokenizer = TOKENIZER if which == "tiny" else load_tokenizer(resolve_model(None), None)
+    params = SamplingParams(skip_special_tokens=skip, stop=stop)
+    assert IncrementalDetokenizer(tokenizer, [5], params).additive
+    rng = random.Random(7)
+    vocab = len(tokenizer)
+    for _ in range(40):
+        ids = [rng.randrange(vocab) if rng.random() < 0.7 else rng.randrange(300)
+               for _ in range(120)]
+        assert _stream(tokenizer, ids, params, True) == _stream(tokenizer, ids, params, False)
