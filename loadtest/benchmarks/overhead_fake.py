@@ -80,13 +80,17 @@ def render(rows: list[dict[str, Any]]) -> str:
                            r.get("sleep_alone_ms", float("nan")),
                            f"{r.get('share_vs_sleep', float('nan')):.1%}") for r in rows])
     at_2ms = [r for r in rows if r["forward_ms"] == 2.0]
-    met = all(r["share"] < SHARE_LIMIT for r in at_2ms)
+    # What the engine adds is the step beyond the forward's own duration: a 2 ms sleep lasts
+    # ~2.1 ms here even with nothing else running (timer slack), which no engine could remove.
+    met = all(r.get("share_vs_sleep", 1.0) < SHARE_LIMIT for r in at_2ms)
     mode = "async scheduling" if all(r.get("async_scheduling") for r in rows) else \
         "synchronous steps"
     return ("With the forward replaced by a fixed sleep (the worker releases the GIL as a GPU "
             "forward does), the share of a decode step the engine adds = (step - forward) / "
             f"step ({mode}). The sleep alone oversleeps its nominal time; the last column "
             "counts only what the engine adds beyond the sleep's own period.\n\n"
-            f"{table}\n\nIssue 15's target, under {SHARE_LIMIT:.0%} at 2 ms: "
+            f"{table}\n\nIssue 15's target, under {SHARE_LIMIT:.0%} at 2 ms, judged on the "
+            "step beyond the sleep's own period (the engine's share): "
             f"{'met' if met else 'missed'} (" + ", ".join(
-                f"{r['share']:.1%} at {r['running']}" for r in at_2ms) + ").")
+                f"{r.get('share_vs_sleep', float('nan')):.1%} at {r['running']}, "
+                f"{r['share']:.1%} against the nominal 2 ms" for r in at_2ms) + ").")

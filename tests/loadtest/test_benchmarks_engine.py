@@ -115,3 +115,19 @@ def test_overhead_quick_run_and_render(tiny_dir: Path, tmp_path: Path) -> None:
         assert 0 <= row["share"] < 1
     assert "Issue 15's target, under 5% at 2 ms" in overhead.render(result)
     assert result["prefix_key_us_per_block"] > 0
+
+
+def test_fixed_forward_verdict_counts_only_what_the_engine_adds() -> None:
+    """Issue 15's verdict judges the step beyond the sleep's own period (timer slack is not the
+    engine's), and still reports the share against the nominal 2 ms."""
+    from loadtest.benchmarks.overhead_fake import render
+
+    def row(running: int, step_ms: float, alone_ms: float) -> dict[str, float]:
+        return {"forward_ms": 2.0, "running": running, "step_ms": step_ms,
+                "share": (step_ms - 2.0) / step_ms, "sleep_alone_ms": alone_ms,
+                "share_vs_sleep": (step_ms - alone_ms) / step_ms}
+
+    met = render([row(64, 2.11, 2.08), row(256, 2.2, 2.11)])
+    assert "(the engine's share): met (1.4% at 64" in met and "9.1% against the nominal" in met
+    missed = render([row(64, 2.11, 2.08), row(256, 2.3, 2.11)])
+    assert "(the engine's share): missed" in missed
