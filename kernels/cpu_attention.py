@@ -36,12 +36,11 @@ class CpuAttentionBackend:
                   v_scale: float = 1.0) -> torch.Tensor:
         """query [tokens, heads, head_dim] -> attention output of the same shape."""
         window = meta.sliding_window or 0
+        out = torch.empty_like(query)
         if meta.num_seqs == query.shape[0]:  # every row decodes: the batch is in row order
-            out = torch.empty_like(query)
             self.ops.decode_attention(out, query, k_cache, v_cache, meta.block_tables,
                                       meta.seq_lens, scale * k_scale, window, v_scale)
             return out
-        out = torch.empty_like(query)
         self.ops.varlen_attention(out, query, k_cache, v_cache, meta.block_tables,
                                   meta.seq_lens, meta.query_start_loc, scale * k_scale, window,
                                   v_scale)
