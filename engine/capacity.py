@@ -251,16 +251,18 @@ def capacity_log_lines(plan: KVCachePlan, device: torch.device, max_model_len: i
                        tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, *,
                        weight_bytes: int = 0, offloaded_bytes: int = 0) -> list[str]:
     """vLLM's three capacity lines: available memory, KV cache size, maximum concurrency. With
-    tensor parallelism `plan` is one rank's (its share of the KV heads): the memory is per rank,
-    while every rank holds all the tokens, as vLLM counts them. With --cpu-offload-gb a fourth
+    tensor and/or pipeline parallelism `plan` is one rank's (its share of the KV heads of its
+    stage's layers): the memory is per rank, while every rank holds all the tokens, as vLLM counts them. With --cpu-offload-gb a fourth
     says where the weights are: `weight_bytes` on the device (what the budget subtracted),
     `offloaded_bytes` in CPU memory."""
-    per_rank = "" if tensor_parallel_size == 1 else \
-        f" per rank (tensor parallel size {tensor_parallel_size}, " \
-        f"{format_gib(plan.available_bytes * tensor_parallel_size)} in all)"
-    if pipeline_parallel_size > 1:  # each stage holds the KV of its layers, for every token
-        per_rank = f" per stage (pipeline parallel size {pipeline_parallel_size}, " \
-            f"{format_gib(plan.available_bytes * pipeline_parallel_size)} in all)"
+    # Each stage holds the KV of its layers and each tensor rank its share of their KV heads,
+    # for every token: the memory is per rank, the tokens the whole engine's.
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    sizes = " x ".join(f"{name} parallel size {n}" for name, n in
+                       (("tensor", tp), ("pipeline", pp)) if n > 1)
+    per_rank = "" if tp * pp == 1 else \
+        f" per {'stage' if tp == 1 else 'rank'} ({sizes}, " \
+        f"{format_gib(plan.available_bytes * tp * pp)} in all)"
     return [
         f"Available KV cache memory: {format_gib(plan.available_bytes)}{per_rank}",
         f"{_device_label(device)} KV cache size: {plan.num_tokens:,} tokens",

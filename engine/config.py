@@ -210,8 +210,8 @@ class EngineArgs:
         plan=True, aliases=("-tp",))
     pipeline_parallel_size: int = _flag(
         1, "pipeline stages: contiguous layers (and their KV cache) on N processes, hidden "
-        "states passed between them (gloo on CPU, NCCL on CUDA); N <= the model's layers; not "
-        "combined with --tensor-parallel-size yet", plan=True, aliases=("-pp",))
+        "states passed between them (gloo on CPU, NCCL on CUDA); N <= the model's layers; with "
+        "--tensor-parallel-size T, T x N processes", plan=True, aliases=("-pp",))
     cpu_offload_gb: float = _flag(
         0.0, "GiB of the decoder layers' weights (whole tensors, layers in order) kept in CPU "
         "memory, pinned on CUDA, and copied to the device per layer each forward, as vLLM: "
@@ -297,10 +297,6 @@ class EngineArgs:
         if self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "tensor_parallel_size > 1 with pipeline_parallel_size > 1 is not supported yet: "
-                "use --tensor-parallel-size N or --pipeline-parallel-size N alone")
         if not math.isfinite(self.cpu_offload_gb) or self.cpu_offload_gb < 0:
             raise ValueError(f"cpu_offload_gb (--cpu-offload-gb) must be a number of GiB >= 0, "
                              f"got {self.cpu_offload_gb}")

@@ -31,9 +31,8 @@ from engine.core.parallel_sampling import ParentRequest
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput, StepResult
-from engine.distributed.launcher import start_tensor_parallel
+from engine.distributed.launcher import ParallelLauncher, start_parallel
 from engine.distributed.parallel_state import rank_model_config
-from engine.distributed.pipeline import start_pipeline_parallel
 from engine.errors import InvalidRequestError
 from engine.generation_config import (
     default_sampling_params,
@@ -103,14 +102,13 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, args.tokenizer)
         self.max_model_len = resolve_max_model_len(self.model_config, args)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(args, self.max_model_len)
-        # --tensor-parallel-size N: ranks 1..N-1 are spawned here; this process is rank 0.
-        self.tp = start_tensor_parallel(args, self.model_config, self.max_model_len, device)
-        # --pipeline-parallel-size N: stages 0..N-2 are spawned; this process is the last.
-        self.pp = start_pipeline_parallel(args, self.model_config, self.max_model_len, device)
+        # --tensor-parallel-size T x --pipeline-parallel-size P: ranks 1..T x P - 1 are spawned
+        # here; this process is rank 0 (tensor rank 0 of the last stage).
+        self.ranks = start_parallel(args, self.model_config, self.max_model_len, device)
         # The model's thread first: loading and profiling run on it as the steps will (see
         # engine/worker/worker.py on why one thread must do all of the torch work). With TP or
         # PP, rank 0 computes there with its share of the threads, as each spawned rank does.
-        ranks = self.tp or self.pp
+        ranks = self.ranks
         self.worker = Worker(ranks.num_threads if ranks is not None else args.num_threads)
         try:
             runner = self.worker.call(self._build_runner, device)
@@ -119,10 +117,8 @@ class LLMEngine:
                 build_step_budget, args, runner, self.kv_cache_plan.num_blocks,
                 self.max_model_len, self.max_num_batched_tokens)
         except BaseException:
-            if self.tp is not None:
-                self.tp.shutdown()
-            if self.pp is not None:
-                self.pp.shutdown()
+            if self.ranks is not None:
+                self.ranks.shutdown()
             self.worker.shutdown()
             raise
         self.runner = runner  # the worker thread's; read it here only between steps
@@ -155,13 +151,12 @@ class LLMEngine:
     def _build_runner(self, device: torch.device) -> ModelRunner:
         """Loads the model and sizes and allocates the KV cache (on the worker thread)."""
         args = self.args
+        ranks = self.ranks
         runner = ModelRunner(self.source, args, device, args.resolved_dtype(device),
-                             self.max_model_len, None if self.tp is None else self.tp.groups,
-                             None if self.pp is None else self.pp.stage)
-        if self.tp is not None:
-            self.tp.attach(runner.model)
-        if self.pp is not None:
-            self.pp.attach(runner.model)
+                             self.max_model_len, None if ranks is None else ranks.groups,
+                             None if ranks is None else ranks.stage)
+        if ranks is not None:
+            ranks.attach(runner.model)
         self.kv_cache_plan = self._init_kv_cache(runner)
         return runner
 
@@ -328,19 +323,25 @@ class LLMEngine:
         return failed + self.apply(step.batch, result)
 
     def shutdown(self) -> None:
-        """Stops the worker and grammar-compile threads (and the tensor-parallel ranks)."""
+        """Stops the worker and grammar-compile threads (and the parallel ranks)."""
         self.worker.shutdown()
         self.structured_output.shutdown()
-        if self.tp is not None:
-            self.tp.shutdown()  # reaps ranks 1..N-1
-        if self.pp is not None:
-            self.pp.shutdown()  # reaps the stages' ranks 1..N-1
+        if self.ranks is not None:
+            self.ranks.shutdown()  # reaps ranks 1..N-1
 
     def dead_reason(self) -> str | None:
-        """Why the engine cannot run another step (a tensor-parallel rank exited), or None."""
-        if self.pp is not None:
-            return self.pp.dead_rank()
-        return None if self.tp is None else self.tp.dead_rank()
+        """Why the engine cannot run another step (a parallel rank exited), or None."""
+        return None if self.ranks is None else self.ranks.dead_rank()
+
+    @property
+    def tp(self) -> ParallelLauncher | None:
+        """The spawned ranks when tensor parallel (alone or with pipeline parallel)."""
+        return self.ranks if self.args.tensor_parallel_size > 1 else None
+
+    @property
+    def pp(self) -> ParallelLauncher | None:
+        """The spawned ranks when pipeline parallel (alone or with tensor parallel)."""
+        return self.ranks if self.args.pipeline_parallel_size > 1 else None
 
     def model_name(self) -> str:
         """The model's own name (folder or file stem)."""

@@ -1,12 +1,15 @@
-"""Rank 0's side of a tensor-parallel engine: spawns ranks 1..N-1, forms the groups, watches
-the ranks' processes and reaps them.
+"""Rank 0's side of a tensor-, pipeline- or TP x PP-parallel engine: spawns the other ranks,
+forms the groups, watches the ranks' processes and reaps them.
 
-The engine process is rank 0 (beside the scheduler, the only rank that samples). Each other
-rank is a `multiprocessing` spawn child running engine/distributed/tp_worker.py. The
-rendezvous store listens on a port the OS picks and every group lives under a name unique to
-this engine, so engines and test runs on one host never meet. A rank that exits is noticed
-before the next step is sent (and a step in flight fails at once: its peer's sockets close);
-the engine then refuses further steps with RankDiedError.
+The engine process is world rank 0: tensor rank 0 of the last pipeline stage, beside the
+scheduler and the only rank that samples (engine/distributed/parallel_state.py lays out the
+rest). Each other rank is a `multiprocessing` spawn child running
+engine/distributed/rank_worker.py. The rendezvous store listens on a port the OS picks and every
+group lives under a name unique to this engine, so engines and test runs on one host never meet.
+A rank that exits is noticed before the next step is sent (and a step in flight fails at once:
+its peers' sockets close, and the failure runs through the stages); the engine then refuses
+further steps with RankDiedError. One batch is in flight across the stages at a time (the
+stages run one after another within a step).
 """
 
 from __future__ import annotations
@@ -28,34 +31,101 @@ from engine.distributed.parallel_state import (
     check_tensor_parallel_size,
     connect_store,
     create_groups,
+    rank_layout,
     threads_per_rank,
 )
-from engine.distributed.tp_worker import RankSpec, StepBroadcaster, run_rank
+from engine.distributed.rank_worker import RankSpec, StepBroadcaster, run_rank
+from engine.distributed.stage_link import GroupLink, stage_of_rank
 from engine.models.parallel_layers import TensorParallelLlama
+from engine.models.pipeline_layers import (
+    PipelineStageLlama,
+    StageSpec,
+    check_pipeline_parallel_size,
+)
 
 logger = logging.getLogger("kvserve")
 HOST = "127.0.0.1"
-JOIN_SECONDS = 5.0  # per rank, to exit after SHUTDOWN before it is terminated
+JOIN_SECONDS = 5.0  # per rank, to exit after SHUTDOWN before it is killed
 
 
 class RankDiedError(RuntimeError):
-    """A tensor-parallel rank's process exited: the engine cannot run another step."""
+    """A tensor- or pipeline-parallel rank's process exited: the engine cannot run another
+    step."""
 
 
-class RankProcesses:
-    """The spawned ranks' side shared by the tensor- and pipeline-parallel launchers: noticing
-    a rank that exited and stopping them all. Subclasses set `procs`, `_died`, `_closed`,
-    `groups` (once formed) and name their ranks."""
+class ParallelLauncher:
+    """Starts and owns world ranks 1..TP x PP - 1 of one engine; `groups` is rank 0's view and
+    `stage` its pipeline stage (the last; None without pipeline parallelism)."""
 
-    procs: list[BaseProcess]
-    _died: str | None
-    _closed: bool
-    KIND = "tensor-parallel"
-    # Whether shutdown tries SIGTERM before SIGKILL (pipeline stages ignore SIGTERM).
-    TERMINATE = True
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int,
+                 device: torch.device) -> None:
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        check_tensor_parallel_size(model_config, tp)
+        check_pipeline_parallel_size(model_config, pp)
+        if args.quantization not in ("auto", "none") or model_config.checkpoint_quantization:
+            raise ValueError("quantized weights (--quantization, AWQ/GPTQ checkpoints) with "
+                             "--tensor-parallel-size or --pipeline-parallel-size > 1 are not "
+                             "supported yet; use one or the other (a GGUF file loads "
+                             "dequantized under tensor or pipeline parallelism)")
+        self.tensor_parallel_size, self.pipeline_parallel_size = tp, pp
+        self.size = tp * pp
+        self.kind = " x ".join(
+            [name for name, n in (("tensor-parallel", tp), ("pipeline-parallel", pp)) if n > 1])
+        total_threads = args.num_threads or torch.get_num_threads()
+        self.num_threads = threads_per_rank(total_threads, self.size)
+        torch.set_num_threads(self.num_threads)
+        self.stages = [StageSpec.of(model_config, index, pp) for index in range(pp)] \
+            if pp > 1 else []
+        self.stage = self.stages[-1] if self.stages else None
+        self.dtype = args.resolved_dtype(device)
+        self.prefix = f"kvserve-par-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.store = connect_store(HOST, 0, 0, self.size)
+        self.procs: list[BaseProcess] = []
+        self._died: str | None = None
+        self._closed = False
+        ctx = multiprocessing.get_context("spawn")
+        # The ranks load in rank 0's dtype, not one they would resolve from `auto` themselves.
+        rank_args = dataclasses.replace(args, dtype=str(self.dtype).removeprefix("torch."))
+        for rank in range(1, self.size):
+            spec = RankSpec(rank_args, max_model_len, rank, tp, pp, HOST, self.store.port,
+                            self.prefix, self.num_threads, os.getpid())
+            proc = ctx.Process(target=run_rank, args=(spec,), daemon=True,
+                               name=f"kvserve-rank{rank}")
+            proc.start()
+            self.procs.append(proc)
+        logger.info("%s: %s in this process (rank 0, samples), %s; %d CPU threads per rank",
+                    self._sizes(), self._what(0), ", ".join(
+                        f"{self._what(r)} in process {p.pid} (rank {r})"
+                        for r, p in enumerate(self.procs, start=1)), self.num_threads)
+        if device.type == "cuda":
+            device = torch.device("cuda", 0)
+        try:
+            self._wait_for("joined")
+            self.groups: ParallelGroups = create_groups(self.store, self.prefix, 0, tp, pp,
+                                                        device)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _sizes(self) -> str:
+        """"tensor parallel size 2 x pipeline parallel size 2"."""
+        return " x ".join(f"{name} parallel size {n}" for name, n in
+                          (("tensor", self.tensor_parallel_size),
+                           ("pipeline", self.pipeline_parallel_size)) if n > 1)
+
+    def _what(self, rank: int) -> str:
+        """What world rank `rank` holds: "tensor rank 1 of stage 0 of 2 (layers 0-0)"."""
+        pp_index, tp_rank = rank_layout(rank, self.tensor_parallel_size)
+        parts = []
+        if self.tensor_parallel_size > 1:
+            parts.append(f"tensor rank {tp_rank}")
+        if self.stages:
+            parts.append(self.stages[stage_of_rank(pp_index, self.pipeline_parallel_size)]
+                         .describe())
+        return " of ".join(parts)
 
     def _name(self, rank: int) -> str:
-        raise NotImplementedError
+        return f"{self.kind} rank {rank} ({self._what(rank)})"
 
     def dead_rank(self) -> str | None:
         """Why the engine cannot step any more (a rank exited), or None while all live."""
@@ -74,104 +144,64 @@ class RankProcesses:
         if reason is not None:
             raise RankDiedError(reason)
 
-    def shutdown(self) -> None:
-        """Stops every rank: SHUTDOWN to live ones, then terminate and kill what stays."""
-        if self._closed:
-            return
-        groups = getattr(self, "groups", None)
-        if groups is not None and self.dead_rank() is None:
-            try:
-                StepBroadcaster(groups, self.check_alive).send_shutdown()
-            except Exception:  # a rank died meanwhile: terminate below
-                logger.warning("%s shutdown: a rank did not take SHUTDOWN", self.KIND)
-        self._closed = True
-        for proc in self.procs:
-            proc.join(JOIN_SECONDS)
-            if proc.is_alive() and self.TERMINATE:
-                proc.terminate()
-                proc.join(JOIN_SECONDS)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-
-
-class TensorParallelLauncher(RankProcesses):
-    """Starts and owns ranks 1..N-1 of one engine; `groups` is rank 0's view."""
-
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int,
-                 device: torch.device) -> None:
-        size = args.tensor_parallel_size
-        check_tensor_parallel_size(model_config, size)
-        if args.quantization not in ("auto", "none") or model_config.checkpoint_quantization:
-            raise ValueError("quantized weights (--quantization, AWQ/GPTQ checkpoints) with "
-                             "--tensor-parallel-size > 1 are not supported yet; use one or the "
-                             "other (a GGUF file loads dequantized under tensor parallelism)")
-        total_threads = args.num_threads or torch.get_num_threads()
-        self.num_threads = threads_per_rank(total_threads, size)
-        torch.set_num_threads(self.num_threads)
-        self.size = size
-        self.prefix = f"kvserve-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.store = connect_store(HOST, 0, 0, size)
-        self.procs: list[BaseProcess] = []
-        self._died: str | None = None
-        self._closed = False
-        ctx = multiprocessing.get_context("spawn")
-        # The ranks load in rank 0's dtype, not one they would resolve from `auto` themselves.
-        dtype_name = str(args.resolved_dtype(device)).removeprefix("torch.")
-        rank_args = dataclasses.replace(args, dtype=dtype_name)
-        for rank in range(1, size):
-            spec = RankSpec(rank_args, max_model_len, rank, size, HOST, self.store.port,
-                            self.prefix, self.num_threads, os.getpid())
-            proc = ctx.Process(target=run_rank, args=(spec,), daemon=True,
-                               name=f"kvserve-tp-rank{rank}")
-            proc.start()
-            self.procs.append(proc)
-        logger.info("tensor parallel size %d: rank 0 in this process, ranks 1..%d in processes "
-                    "%s; %d CPU threads per rank", size, size - 1,
-                    ", ".join(str(p.pid) for p in self.procs), self.num_threads)
-        if device.type == "cuda":
-            device = torch.device("cuda", 0)
-        try:
-            self._wait_for("joined")
-            self.groups: ParallelGroups = create_groups(self.store, self.prefix, 0, size, device)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def _wait_for(self, stage: str) -> None:
-        """Waits until every rank set `stage` on the store; raises with a rank's traceback (or
-        its exit) instead of waiting for one that failed."""
+    def _wait_for(self, key_name: str) -> None:
+        """Waits until every rank set `key_name` on the store; raises with a rank's traceback
+        (or its exit) instead of waiting for one that failed."""
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
         for rank in range(1, self.size):
-            key = f"{self.prefix}/{stage}/{rank}"
+            key = f"{self.prefix}/{key_name}/{rank}"
             while not self.store.check([key]):
                 error = f"{self.prefix}/error/{rank}"
                 if self.store.check([error]):
-                    raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n"
+                    raise RuntimeError(f"{self._name(rank)} failed to start:\n"
                                        f"{self.store.get(error).decode()}")
                 self.check_alive()
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel rank {rank} did not reach '{stage}' "
-                                       f"within {COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+                    raise RuntimeError(f"{self._name(rank)} did not reach '{key_name}' within "
+                                       f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
                 time.sleep(0.01)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Waits for the other ranks' shards, then makes rank 0's model send each call."""
-        assert isinstance(model, TensorParallelLlama)
+        """Waits for the other ranks' parts, then makes rank 0's model send each call (and,
+        with stages, receive its input states from the stage before it)."""
         try:
             self._wait_for("ready")
         except BaseException:
             self.shutdown()
             raise
-        model.driver = StepBroadcaster(self.groups, self.check_alive)
+        driver = StepBroadcaster(self.groups, self.check_alive)
+        if self.stage is not None:
+            assert isinstance(model, PipelineStageLlama)
+            model.link = GroupLink(self.groups, self.stage, self.dtype)
+        else:
+            assert isinstance(model, TensorParallelLlama)
+        model.driver = driver
 
-    def _name(self, rank: int) -> str:
-        return f"tensor-parallel rank {rank}"
+    def shutdown(self) -> None:
+        """Stops every rank: SHUTDOWN to live ones, then kill what stays (the ranks ignore
+        SIGTERM, which a process group's stop sends them too)."""
+        if self._closed:
+            return
+        groups = getattr(self, "groups", None)
+        told = False
+        if groups is not None and self.dead_rank() is None:
+            try:
+                StepBroadcaster(groups, self.check_alive).send_shutdown()
+                told = True
+            except Exception:  # a rank died meanwhile: kill below
+                logger.warning("%s shutdown: a rank did not take SHUTDOWN", self.kind)
+        self._closed = True
+        for proc in self.procs:  # untold ranks wait for a step that never comes: kill them
+            proc.join(JOIN_SECONDS if told else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
 
 
-def start_tensor_parallel(args: EngineArgs, model_config: ModelConfig, max_model_len: int,
-                          device: torch.device) -> TensorParallelLauncher | None:
-    """Spawns ranks 1..N-1 for --tensor-parallel-size N > 1; None for one process."""
-    if args.tensor_parallel_size == 1:
+def start_parallel(args: EngineArgs, model_config: ModelConfig, max_model_len: int,
+                   device: torch.device) -> ParallelLauncher | None:
+    """Spawns the other ranks for --tensor-parallel-size and/or --pipeline-parallel-size > 1;
+    None for one process."""
+    if args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1:
         return None
-    return TensorParallelLauncher(args, model_config, max_model_len, device)
+    return ParallelLauncher(args, model_config, max_model_len, device)

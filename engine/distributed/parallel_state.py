@@ -1,9 +1,13 @@
-"""Process groups of a tensor-parallel engine and the sizes its ranks split the model by.
+"""Process groups of a tensor- and/or pipeline-parallel engine and the sizes its ranks split
+the model by.
 
 No global state: each engine owns its `ParallelGroups`, built straight on a TCPStore under a
 per-engine prefix, so two engines (or two test runs) on one host never share a group or a port.
-Ranks are laid out as (pipeline stage, tensor rank) with one stage today; a pipeline-parallel
-group would be one more `ProcessGroup` per stage built from the same store.
+The TP x PP world is laid out stage by stage: world rank w is tensor rank w % TP of the stage
+whose ranks are w // TP (`pp_index`), and pp_index 0 is the LAST stage, so world rank 0 (the
+engine process, beside the scheduler and the sampler) is tensor rank 0 of the stage that holds
+the LM head. Each stage's tensor ranks have their own device group for the layers' all-reduces;
+the steps and the hidden states between stages go over world-wide groups.
 """
 
 from __future__ import annotations
@@ -72,6 +76,11 @@ def rank_model_config(cfg: ModelConfig, size: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // size)
 
 
+def rank_layout(world_rank: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(pp_index, tensor rank) of a world rank: pp_index 0 is the last stage (the engine's)."""
+    return divmod(world_rank, tensor_parallel_size)
+
+
 def threads_per_rank(total: int, size: int) -> int:
     """Each rank's share of the CPU threads, at least one."""
     return max(1, total // size)
@@ -79,21 +88,26 @@ def threads_per_rank(total: int, size: int) -> int:
 
 @dataclass
 class ParallelGroups:
-    """One rank's view: its tensor-parallel rank and size, the device group (NCCL on CUDA, gloo
-    on CPU) the model's collectives run on, and the gloo group rank 0 sends steps over."""
+    """One rank's view: its tensor-parallel rank and size within its stage, the stage's device
+    group (NCCL on CUDA, gloo on CPU) the layers' collectives run on, the world-wide gloo group
+    rank 0 sends the steps' headers over, and the world-wide device group for the steps'
+    payloads and the hidden states passed between stages."""
 
     rank: int
     size: int
     device: torch.device
     # gloo / NCCL backends, called directly (torch's stubs type neither their collectives nor
     # their common base), so no process-global default group is ever needed.
-    device_group: Any
+    device_group: Any  # this stage's tensor ranks (None with one per stage: never called)
     cpu_group: Any
+    world_group: Any
+    world_rank: int = 0
+    world_size: int = 1
 
     @property
     def is_driver(self) -> bool:
-        """Rank 0: beside the scheduler, the one rank that samples."""
-        return self.rank == 0
+        """World rank 0: beside the scheduler, the one rank that samples."""
+        return self.world_rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks, in place; returns it."""
@@ -107,9 +121,9 @@ class ParallelGroups:
         return parts
 
     def broadcast(self, x: torch.Tensor, idle: bool = False) -> torch.Tensor:
-        """Rank 0's `x` to all (in place). `idle`: the control group's wait for the next step,
-        which may last as long as the engine has nothing to do."""
-        group = self.cpu_group if x.device.type == "cpu" else self.device_group
+        """World rank 0's `x` to all (in place). `idle`: the control group's wait for the next
+        step, which may last as long as the engine has nothing to do."""
+        group = self.cpu_group if x.device.type == "cpu" else self.world_group
         group.broadcast(x, 0, IDLE_TIMEOUT if idle else COLLECTIVE_TIMEOUT).wait()
         return x
 
@@ -120,17 +134,33 @@ def connect_store(host: str, port: int, rank: int, size: int) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
-def create_groups(store: dist.Store, prefix: str, rank: int, size: int,
-                  device: torch.device) -> ParallelGroups:
-    """Builds this rank's groups under `prefix` (unique per engine) on the shared store."""
-    cpu_group = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/cpu/", store), rank, size,
-                                      COLLECTIVE_TIMEOUT)
+def _device_group(store: dist.Store, name: str, rank: int, size: int,
+                  device: torch.device) -> Any:
+    """A group of `size` ranks under `name`: NCCL on CUDA, gloo otherwise."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
-        device_group: Any = dist.ProcessGroupNCCL(
-            dist.PrefixStore(f"{prefix}/nccl/", store), rank, size, options)
+        return dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/nccl/", store), rank, size,
+                                     options)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/dev/", store), rank, size,
+                                 COLLECTIVE_TIMEOUT)
+
+
+def create_groups(store: dist.Store, prefix: str, world_rank: int, tensor_parallel_size: int,
+                  pipeline_parallel_size: int, device: torch.device) -> ParallelGroups:
+    """Builds this rank's groups under `prefix` (unique per engine) on the shared store: the
+    world's control and device groups, and its stage's tensor-parallel group."""
+    world_size = tensor_parallel_size * pipeline_parallel_size
+    cpu_group = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/cpu/", store), world_rank,
+                                      world_size, COLLECTIVE_TIMEOUT)
+    world_group = _device_group(store, prefix, world_rank, world_size, device)
+    pp_index, tp_rank = rank_layout(world_rank, tensor_parallel_size)
+    if pipeline_parallel_size == 1:
+        tp_group = world_group
+    elif tensor_parallel_size > 1:
+        tp_group = _device_group(store, f"{prefix}/stage{pp_index}", tp_rank,
+                                 tensor_parallel_size, device)
     else:
-        device_group = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/dev/", store), rank,
-                                             size, COLLECTIVE_TIMEOUT)
-    return ParallelGroups(rank, size, device, device_group, cpu_group)
+        tp_group = None
+    return ParallelGroups(tp_rank, tensor_parallel_size, device, tp_group, cpu_group,
+                          world_group, world_rank, world_size)

@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import sys
 
-from engine.capacity import capacity_log_lines, format_gib
+from engine.capacity import capacity_log_lines
 from engine.config import EngineArgs, engine_args_from_flags
 from engine.models.pipeline_layers import (
     check_pipeline_parallel_size,
@@ -72,18 +72,14 @@ def format_pipeline_plan(report: PlanReport, size: int) -> str:
             f"  --tensor-parallel-size {tp} within each stage ({tp * size} GPUs): each GPU "
             f"holds {report.kv_config.num_attention_heads} heads / "
             f"{report.kv_config.num_key_value_heads} KV heads of its stage's layers, 1/{tp} of "
-            "their MLP and of the vocab matrix (planner arithmetic: kvserve serve does not "
-            "combine the two yet)")
+            "their MLP and of the vocab matrix")
     memory = _memory_lines(report)
     memory[0] = memory[0].replace("Memory:", "Memory per GPU:", 1)
     recommendation = _recommendation_lines(report)
     if report.recommendation is not None:
         stage_line = capacity_log_lines(report.kv_plan, PLAN_DEVICE,
-                                        report.recommendation.max_model_len, 1, size)[0]
-        if tp > 1:
-            gib = format_gib(report.kv_plan.available_bytes * tp * size)
-            stage_line = (stage_line.split(" per stage", 1)[0] + f" per GPU (tensor parallel "
-                          f"size {tp} x pipeline parallel size {size}, {gib} in all)")
+                                        report.recommendation.max_model_len, tp, size
+                                        )[0].replace(" per rank (", " per GPU (")
         recommendation = [f"  {stage_line}" if line.startswith("  Available KV cache memory:")
                           else line for line in recommendation]
     sections = [model_lines, memory, _kv_lines(report), _table_lines(report), recommendation]

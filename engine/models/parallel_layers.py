@@ -70,25 +70,77 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.groups.all_reduce(x)
 
 
+def shard_modules(model: LlamaForCausalLM, cfg: ModelConfig, backend: AttentionBackend,
+                  groups: ParallelGroups) -> None:
+    """Turns a model built with one rank's shapes (`rank_model_config`) into that rank's shard:
+    row-parallel attention and MLP blocks, a vocab-parallel embedding and LM head."""
+    shard = model.config
+    for layer in model.layers:
+        assert isinstance(layer, nn.Module)
+        layer.self_attn = RowParallelAttention(shard, backend, groups)
+        layer.mlp = RowParallelMLP(shard, groups)
+        layer.mlp.ops = layer.ops  # kvserve's CPU ops where the backend has them
+    model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
+    model.lm_head = nn.Linear(cfg.hidden_size, model.embed_tokens.weight.shape[0], bias=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def gather_logits(lm_head: nn.Module, hidden: torch.Tensor, cfg: ModelConfig,
+                  groups: ParallelGroups) -> torch.Tensor:
+    """[num_rows, hidden] -> float32 logits [num_rows, vocab], whole on every tensor rank."""
+    local = lm_head(hidden).float()  # [num_rows, vocab / size]
+    logits = torch.cat(groups.all_gather(local), dim=-1)
+    return logits[:, :cfg.vocab_size]
+
+
+def zero_vocab_padding(model: LlamaForCausalLM) -> None:
+    """Zeroes the vocab-parallel rows before loading, so the last rank's padding rows stay 0."""
+    with torch.no_grad():
+        for module in (model.embed_tokens, model.lm_head):
+            weight = getattr(module, "weight", None)
+            if weight is not None:
+                weight.zero_()
+
+
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
+                  groups: ParallelGroups) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each HF tensor cut to `groups.rank`'s part (norms replicated)."""
+    shard, rank, size = rank_model_config(cfg, groups.size), groups.rank, groups.size
+    hd = cfg.head_dim
+    for name, tensor in weights:
+        if ".q_proj." in name:
+            part = _rows(tensor, rank * shard.num_attention_heads * hd,
+                         shard.num_attention_heads * hd)
+        elif ".k_proj." in name or ".v_proj." in name:
+            first = kv_head_start(cfg, size, rank)
+            part = _rows(tensor, first * hd, shard.num_key_value_heads * hd)
+        elif ".gate_proj." in name or ".up_proj." in name:
+            part = _rows(tensor, rank * shard.intermediate_size, shard.intermediate_size)
+        elif ".o_proj." in name:
+            width = shard.num_attention_heads * hd
+            part = tensor[:, rank * width:(rank + 1) * width]
+        elif ".down_proj." in name:
+            width = shard.intermediate_size
+            part = tensor[:, rank * width:(rank + 1) * width]
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            rows = vocab_per_rank(cfg.vocab_size, size)
+            part = _rows(tensor, rank * rows, rows)
+        else:
+            part = tensor  # norms: replicated
+        yield name, part
+
+
 class TensorParallelLlama(LlamaForCausalLM):
-    """One rank's shard of the decoder. On rank 0, `on_forward` / `on_logits` first send the
-    step to the other ranks (engine/distributed/tp_worker.py), which run the same calls."""
+    """One rank's shard of the decoder. On rank 0, `driver` first sends each forward and LM head
+    call to the other ranks (engine/distributed/rank_worker.py), which run the same calls."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_model_len: int,
                  device: torch.device, groups: ParallelGroups) -> None:
         super().__init__(rank_model_config(cfg, groups.size), backend, max_model_len, device)
         self.full_config = cfg
         self.groups = groups
-        shard = self.config
-        for layer in self.layers:
-            assert isinstance(layer, nn.Module)
-            layer.self_attn = RowParallelAttention(shard, backend, groups)
-            layer.mlp = RowParallelMLP(shard, groups)
-            layer.mlp.ops = layer.ops  # kvserve's CPU ops where the backend has them
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
-        self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.weight.shape[0], bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        shard_modules(self, cfg, backend, groups)
         self.driver: StepSender | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -103,45 +155,12 @@ class TensorParallelLlama(LlamaForCausalLM):
         """[num_rows, hidden] -> float32 logits [num_rows, vocab], whole on every rank."""
         if self.driver is not None:
             self.driver.send_logits(hidden)
-        local = self.lm_head(hidden).float()  # [num_rows, vocab / size]
-        logits = torch.cat(self.groups.all_gather(local), dim=-1)
-        return logits[:, :self.full_config.vocab_size]
+        return gather_logits(self.lm_head, hidden, self.full_config, self.groups)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads this rank's slice of each HF tensor (padding rows of the vocab zeroed)."""
-        with torch.no_grad():
-            self.embed_tokens.weight.zero_()
-            if not self.full_config.tie_word_embeddings:
-                self.lm_head.weight.zero_()
-        super().load_weights(self._shards(weights))
-
-    def _shards(self, weights: Iterable[tuple[str, torch.Tensor]]
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            yield name, self.shard(name, tensor)
-
-    def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the HF tensor `name`."""
-        cfg, shard, rank = self.full_config, self.config, self.groups.rank
-        hd = cfg.head_dim
-        if ".q_proj." in name:
-            return _rows(tensor, rank * shard.num_attention_heads * hd,
-                         shard.num_attention_heads * hd)
-        if ".k_proj." in name or ".v_proj." in name:
-            first = kv_head_start(cfg, self.groups.size, rank)
-            return _rows(tensor, first * hd, shard.num_key_value_heads * hd)
-        if ".gate_proj." in name or ".up_proj." in name:
-            return _rows(tensor, rank * shard.intermediate_size, shard.intermediate_size)
-        if ".o_proj." in name:
-            width = shard.num_attention_heads * hd
-            return tensor[:, rank * width:(rank + 1) * width]
-        if ".down_proj." in name:
-            width = shard.intermediate_size
-            return tensor[:, rank * width:(rank + 1) * width]
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            rows = self.embed_tokens.weight.shape[0]
-            return _rows(tensor, rank * rows, rows)
-        return tensor  # norms: replicated
+        zero_vocab_padding(self)
+        super().load_weights(shard_weights(weights, self.full_config, self.groups))
 
 
 def _rows(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
@@ -150,7 +169,7 @@ def _rows(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
 
 
 class StepSender:
-    """What rank 0's model calls to send a step: implemented in engine/distributed/tp_worker.py
+    """What rank 0's model calls to send a step: implemented in engine/distributed/rank_worker.py
     (here only its shape, so the model does not import the process layer)."""
 
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

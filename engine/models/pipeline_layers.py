@@ -5,7 +5,7 @@ states (the residual stream: each DecoderLayer adds its attention and MLP output
 the one tensor carries the residual too) and runs its layers; the last stage applies the final
 norm and owns the LM head. A stage builds and loads only its own layers (renumbered from 0), and
 the runner allocates KV tensors for those layers only. The links that move hidden states
-between stages are implemented in engine/distributed/pipeline.py; here only their shape, so
+between stages are implemented in engine/distributed/stage_link.py; here only their shape, so
 the model does not import the process layer.
 """
 
@@ -20,8 +20,15 @@ import torch
 from torch import nn
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine.distributed.parallel_state import ParallelGroups, rank_model_config
 from engine.models.llama import LlamaForCausalLM
-from engine.models.parallel_layers import StepSender
+from engine.models.parallel_layers import (
+    StepSender,
+    gather_logits,
+    shard_modules,
+    shard_weights,
+    zero_vocab_padding,
+)
 from kernels.metadata import AttentionBackend, AttentionMetadata
 
 _LAYER_NAME = re.compile(r"^(model\.)?layers\.(\d+)\.(.+)$")
@@ -90,7 +97,7 @@ class StageSpec:
 
 
 class StageLink:
-    """Moves hidden states between neighbouring stages (engine/distributed/pipeline.py)."""
+    """Moves hidden states between neighbouring stages (engine/distributed/stage_link.py)."""
 
     def recv(self, num_tokens: int, hidden_size: int) -> torch.Tensor:
         """The previous stage's [num_tokens, hidden] states."""
@@ -115,14 +122,20 @@ class _Absent(nn.Module):
 
 class PipelineStageLlama(LlamaForCausalLM):
     """One stage of the decoder. On rank 0 (the last stage, beside the sampler) `driver` first
-    sends each forward's step to the other stages, which run the same call."""
+    sends each forward's step to the other stages, which run the same call. With tensor-parallel
+    `groups` of more than one rank (TP x PP), this rank's shard of the stage's layers."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_model_len: int,
-                 device: torch.device, stage: StageSpec) -> None:
-        super().__init__(dataclasses.replace(cfg, num_hidden_layers=stage.num_layers), backend,
-                         max_model_len, device)
+                 device: torch.device, stage: StageSpec,
+                 groups: ParallelGroups | None = None) -> None:
+        self.tp_groups = groups if groups is not None and groups.size > 1 else None
+        shapes = cfg if self.tp_groups is None else rank_model_config(cfg, self.tp_groups.size)
+        super().__init__(dataclasses.replace(shapes, num_hidden_layers=stage.num_layers),
+                         backend, max_model_len, device)
         self.full_config = cfg
         self.stage = stage
+        if self.tp_groups is not None:
+            shard_modules(self, cfg, backend, self.tp_groups)
         # The first stage embeds; the last one holds the LM head (with tied embeddings the LM
         # head is the embedding matrix, so the last stage keeps that one matrix).
         keeps_embedding = stage.is_first or (stage.is_last and cfg.tie_word_embeddings)
@@ -153,6 +166,14 @@ class PipelineStageLlama(LlamaForCausalLM):
         self.link.send(x)
         return x
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's logits; with TP its tensor ranks compute theirs alongside."""
+        if self.tp_groups is None:
+            return super().compute_logits(hidden)
+        if self.driver is not None:
+            self.driver.send_logits(hidden)
+        return gather_logits(self.lm_head, hidden, self.full_config, self.tp_groups)
+
     def forward_layers(self, x: torch.Tensor, positions: torch.Tensor,
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        meta: AttentionMetadata) -> torch.Tensor:
@@ -164,13 +185,17 @@ class PipelineStageLlama(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads this stage's tensors only: its layers (renumbered), the embedding, the final
-        norm and the LM head where the stage holds them."""
-        super().load_weights(self._stage_weights(weights))
+        norm and the LM head where the stage holds them (with TP, this rank's slices)."""
+        weights = self._stage_weights(weights)
+        if self.tp_groups is not None:
+            zero_vocab_padding(self)
+            weights = shard_weights(weights, self.full_config, self.tp_groups)
+        super().load_weights(weights)
 
     def _stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterator[tuple[str, torch.Tensor]]:
         stage = self.stage
-        holds_embedding = isinstance(self.embed_tokens, nn.Embedding)
+        holds_embedding = not isinstance(self.embed_tokens, _Absent)
         for name, tensor in weights:
             match = _LAYER_NAME.match(name)
             if match is not None:
@@ -187,8 +212,10 @@ class PipelineStageLlama(LlamaForCausalLM):
 
 
 def build_stage_model(cfg: ModelConfig, backend: AttentionBackend, max_model_len: int,
-                      device: torch.device, stage: StageSpec) -> PipelineStageLlama:
-    """`stage`'s part of a Llama, Mistral or Qwen2 decoder."""
+                      device: torch.device, stage: StageSpec,
+                      groups: ParallelGroups | None = None) -> PipelineStageLlama:
+    """`stage`'s part of a Llama, Mistral or Qwen2 decoder (a tensor rank's shard of it when
+    `groups` holds more than one)."""
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {cfg.architecture}")
-    return PipelineStageLlama(cfg, backend, max_model_len, device, stage)
+    return PipelineStageLlama(cfg, backend, max_model_len, device, stage, groups)

@@ -104,7 +104,7 @@ class ModelRunner:
             model = build_model(self.config, self.backend, max_model_len, self.device,
                                 self.parallel) if self.stage is None else \
                 build_stage_model(self.config, self.backend, max_model_len, self.device,
-                                  self.stage)
+                                  self.stage, self.parallel)
         model = model.to(dtype=load_dtype).to_empty(
             device=torch.device("cpu") if host_first else self.device)
         if self.config.tie_word_embeddings:  # to_empty unties shared parameters

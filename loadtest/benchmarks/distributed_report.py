@@ -198,8 +198,8 @@ def _plan_notes(lays: list[dict[str, Any]]) -> str:
             + (f" ({ratio:.3f}x)" if ratio else "") + ": TP=4 x PP=2 reserves a little more "
             "for activations, its per-GPU slices of heads and MLP being twice as wide. TP=8 "
             "already gives each GPU a single KV head: a larger TP would replicate KV heads. "
-            "`kvserve plan` does the TP x PP arithmetic; `kvserve serve` does not run the two "
-            "together yet.")
+            "`kvserve plan -tp 4 -pp 2` prints this arithmetic, and `kvserve serve -tp 4 -pp 2` "
+            "runs that layout (8 ranks).")
 
 
 def render_all(result: dict[str, Any]) -> str:

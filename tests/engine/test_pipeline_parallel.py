@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU ranks (gloo): the same greedy tokens and logprobs as one process
 on the tiny Llama (2 stages, tied embeddings), the tiny Qwen2 (untied LM head) and a 3-layer
 Llama over 3 stages, through chunked prefill and prefix caching; per-stage KV capacity (lines,
-cache shapes, `kvserve plan -pp 2`); refusal of more stages than layers and of TP x PP; a killed
+cache shapes, `kvserve plan -pp 2`); refusal of more stages than layers (TP x PP: test_tp_pp.py); a killed
 stage ending requests with an error; shutdown reaping every stage; `kvserve serve -pp 2`."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def test_kv_capacity_is_per_stage(tiny_llama_dir: Path,
     assert len(caches) == 1 and caches[0][0].shape == (plan.num_blocks, 8, 2, 16)
     assert len(llm.engine.runner.model.layers) == 1
     pp = llm.engine.pp  # its own store port and group names; a share of the threads each
-    assert pp is not None and pp.prefix.startswith("kvserve-pp-") and pp.store.port > 0
+    assert pp is not None and pp.prefix.startswith("kvserve-par-") and pp.store.port > 0
     assert any(f"{pp.num_threads} CPU threads per rank" in line for line in lines)
     assert llm.engine.worker.call(torch.get_num_threads) == pp.num_threads  # rank 0 too
 
@@ -164,12 +164,6 @@ def test_plan_shows_per_stage_figures(tiny_llama_dir: Path,
 def test_refuses_more_stages_than_layers(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="larger than this model's 2 layers.*use 1 to 2"):
         LLM(str(tiny_llama_dir), pipeline_parallel_size=3, **ENGINE_KWARGS)
-
-
-def test_refuses_tp_with_pp(tiny_llama_dir: Path) -> None:
-    with pytest.raises(ValueError, match="--tensor-parallel-size N or --pipeline-parallel-size N"):
-        LLM(str(tiny_llama_dir), pipeline_parallel_size=2, tensor_parallel_size=2,
-            **ENGINE_KWARGS)
 
 
 def _kill_stage(llm: LLM) -> None:

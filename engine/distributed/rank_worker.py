@@ -1,10 +1,13 @@
-"""The step protocol between rank 0 and ranks 1..N-1, and the loop those ranks run.
+"""The step protocol between rank 0 and ranks 1..N-1, and the loop those ranks run, for tensor
+parallelism, pipeline parallelism and both.
 
-Rank 0's model sends each call as plain tensors: a fixed header of ints on the gloo group (the
-command and the sizes), then the call's tensors packed into one (token ids, positions, slot
-mapping, query starts, sequence lengths, block tables; or the hidden rows for the LM head) on
-the device group. Ranks 1..N-1 rebuild the same call and run it on their shard, taking part in
-its collectives; they never see an engine object, and they never sample.
+Rank 0's model sends each call as plain tensors: a fixed header of ints on the world's gloo
+group (the command and the sizes), then the call's tensors packed into one (token ids,
+positions, slot mapping, query starts, sequence lengths, block tables; or the hidden rows for
+the LM head) on the world's device group. Every other rank rebuilds the same call and runs it on
+its part of the model (its tensor shard, its stage's layers or both), taking part in its
+stage's collectives and passing hidden states on to the next stage; the ranks never see an
+engine object, and they never sample.
 """
 
 from __future__ import annotations
@@ -20,8 +23,15 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineArgs
-from engine.distributed.parallel_state import ParallelGroups, connect_store, create_groups
-from engine.models.parallel_layers import StepSender, TensorParallelLlama
+from engine.distributed.parallel_state import (
+    ParallelGroups,
+    connect_store,
+    create_groups,
+    rank_layout,
+)
+from engine.distributed.stage_link import GroupLink, stage_of_rank
+from engine.models.parallel_layers import StepSender
+from engine.models.pipeline_layers import PipelineStageLlama, StageSpec
 from kernels.metadata import AttentionMetadata
 
 HEADER_LEN = 8
@@ -35,8 +45,9 @@ class RankSpec:
 
     args: EngineArgs
     max_model_len: int
-    rank: int
-    size: int
+    rank: int  # in the world of tensor_parallel_size x pipeline_parallel_size ranks
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
     host: str
     port: int
     prefix: str  # the engine's unique group namespace on the store
@@ -104,11 +115,14 @@ def forward_payload_len(header: list[int]) -> int:
 
 
 def serve_steps(runner: object, groups: ParallelGroups) -> None:
-    """Ranks 1..N-1: run rank 0's calls until SHUTDOWN (or until a collective fails)."""
+    """Ranks 1..N-1: run rank 0's calls until SHUTDOWN (or until a collective, a send or a
+    receive fails: a dead rank closes its sockets, and this one exits in turn). The logits
+    rows go to every rank; only the last stage's tensor ranks compute theirs."""
     from engine.worker.model_runner import ModelRunner
 
-    assert isinstance(runner, ModelRunner) and isinstance(runner.model, TensorParallelLlama)
+    assert isinstance(runner, ModelRunner)
     model, device = runner.model, groups.device
+    holds_lm_head = not isinstance(model, PipelineStageLlama) or model.stage.is_last
     while True:
         header_t = torch.zeros(HEADER_LEN, dtype=torch.long)
         header = groups.broadcast(header_t, idle=True).tolist()
@@ -125,7 +139,12 @@ def serve_steps(runner: object, groups: ParallelGroups) -> None:
             elif header[0] == CMD_LOGITS:
                 hidden = torch.empty(header[1], header[2], dtype=_DTYPES[header[3]],
                                      device=device)
-                model.compute_logits(groups.broadcast(hidden))
+                groups.broadcast(hidden)
+                if holds_lm_head:
+                    model.compute_logits(hidden)
+            else:
+                raise RuntimeError(f"rank {groups.world_rank} got an unknown command "
+                                   f"{header[0]}")
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -137,13 +156,17 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def run_rank(spec: RankSpec) -> None:
-    """Entry point of a spawned rank: join the groups, load the shard, serve steps."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
+    """Entry point of a spawned rank: join the groups, load its part, serve steps."""
+    # Ctrl-C and a SIGTERM to the whole process group reach rank 0 too, which drains and then
+    # stops the ranks; a rank that outlives it exits by itself (_watch_parent).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), daemon=True).start()
     # env:// style rendezvous: rank 0 chose the address and port.
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = spec.host, str(spec.port)
     torch.set_num_threads(spec.num_threads)
-    store = connect_store(spec.host, spec.port, spec.rank, spec.size)
+    tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
+    store = connect_store(spec.host, spec.port, spec.rank, tp * pp)
     try:
         from engine.model_loader.loader import resolve_model
         from engine.worker.model_runner import ModelRunner
@@ -154,9 +177,15 @@ def run_rank(spec: RankSpec) -> None:
             torch.cuda.set_device(device)
         torch.manual_seed(spec.args.seed)
         store.set(f"{spec.prefix}/joined/{spec.rank}", "1")
-        groups = create_groups(store, spec.prefix, spec.rank, spec.size, device)
-        runner = ModelRunner(resolve_model(spec.args.model), spec.args, device,
-                             spec.args.resolved_dtype(device), spec.max_model_len, groups)
+        groups = create_groups(store, spec.prefix, spec.rank, tp, pp, device)
+        source = resolve_model(spec.args.model)
+        pp_index = rank_layout(spec.rank, tp)[0]
+        stage = None if pp == 1 else StageSpec.of(source.config, stage_of_rank(pp_index, pp), pp)
+        dtype = spec.args.resolved_dtype(device)
+        runner = ModelRunner(source, spec.args, device, dtype, spec.max_model_len, groups, stage)
+        if stage is not None:
+            assert isinstance(runner.model, PipelineStageLlama)
+            runner.model.link = GroupLink(groups, stage, dtype)
     except BaseException:
         store.set(f"{spec.prefix}/error/{spec.rank}", traceback.format_exc())
         raise
