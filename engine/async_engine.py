@@ -288,7 +288,7 @@ class AsyncEngine:
         step = engine.in_flight.popleft()
         waited = time.perf_counter()
         try:
-            result, forward_s = await asyncio.wrap_future(step.future)
+            result, forward_s = await asyncio.wrap_future(engine.result_of(step))
             returned = time.perf_counter()
             engine.apply(step.batch, result)
         except Exception:

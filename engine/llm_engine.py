@@ -25,7 +25,7 @@ from engine.capacity import (
     resolve_max_num_batched_tokens,
 )
 from engine.config import EngineArgs
-from engine.core.async_scheduler import AsyncScheduler
+from engine.core.async_scheduler import AsyncScheduler, BatchQueueScheduler
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.parallel_sampling import ParentRequest
 from engine.core.request import Request, RequestStatus
@@ -80,10 +80,11 @@ class EngineStats:
 @dataclass(frozen=True)
 class InFlightStep:
     """A step handed to the worker and not yet applied: its batch, the worker's future of
-    (result, forward seconds), and the seconds scheduling it took."""
+    (result, forward seconds) or, under the pipeline's batch queue, of its launch (`result_of`
+    gives the result either way), and the seconds scheduling it took."""
 
     batch: SchedulerOutput
-    future: concurrent.futures.Future[tuple[StepResult, float]]
+    future: concurrent.futures.Future[Any]
     schedule_s: float
 
 
@@ -125,9 +126,14 @@ class LLMEngine:
         self.worker.attach(runner)
         self.kv = KVCacheManager(self.kv_cache_plan.num_blocks, args.block_size,
                                  args.enable_prefix_caching)
+        # Pipeline stages on their own ranks (TP 1): a batch per stage in flight at once.
+        self.batch_queue = args.async_scheduling and args.pipeline_parallel_size > 1 and \
+            args.tensor_parallel_size == 1
         scheduler_cls = AsyncScheduler if args.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(self.kv, args.max_num_seqs, self.max_num_batched_tokens,
-                                       self.max_model_len, step_budget=self.step_budget)
+        sizes = (self.kv, args.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = BatchQueueScheduler(
+            *sizes, step_budget=self.step_budget, num_stages=args.pipeline_parallel_size) \
+            if self.batch_queue else scheduler_cls(*sizes, step_budget=self.step_budget)
         # Steps on the worker not yet applied, oldest first: two at most (pipeline_depth).
         self.in_flight: deque[InFlightStep] = deque()
         self._unsent_finished: frozenset[str] = frozenset()  # for the next step's batch
@@ -254,9 +260,12 @@ class LLMEngine:
 
     def pipeline_depth(self) -> int:
         """Steps that may be in flight at once: 2 with async scheduling (the next one is
-        scheduled while one runs), 1 without it or while a structured-output request is live."""
+        scheduled while one runs), one per stage with the pipeline's batch queue, 1 without
+        async scheduling or while a structured-output request is live."""
         scheduler = self.scheduler
-        return 2 if isinstance(scheduler, AsyncScheduler) and scheduler.can_run_ahead() else 1
+        if not isinstance(scheduler, AsyncScheduler) or not scheduler.can_run_ahead():
+            return 1
+        return self.args.pipeline_parallel_size if self.batch_queue else 2
 
     def schedule_step(self) -> InFlightStep | None:
         """Schedules a step and hands it to the worker (it joins `in_flight`); None when there
@@ -272,9 +281,18 @@ class LLMEngine:
             self._unsent_finished = batch.finished_request_ids
             return None
         self._unsent_finished = frozenset()
-        step = InFlightStep(batch, self.worker.submit(batch), time.perf_counter() - started)
+        future = self.worker.launch(batch) if self.batch_queue else self.worker.submit(batch)
+        step = InFlightStep(batch, future, time.perf_counter() - started)
         self.in_flight.append(step)
         return step
+
+    def result_of(self, step: InFlightStep) -> concurrent.futures.Future[tuple[StepResult,
+                                                                            float]]:
+        """The future of the oldest in-flight step's result (with the batch queue, rank 0's
+        stage runs it now, after the launches queued before)."""
+        if self.batch_queue:
+            return self.worker.finish(step.batch, step.future)
+        return step.future
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Blocks until a waiting request's grammar is compiled, or `timeout` seconds."""
@@ -315,7 +333,7 @@ class LLMEngine:
             return failed
         step = self.in_flight.popleft()
         try:
-            result, self.last_step_seconds = step.future.result()
+            result, self.last_step_seconds = self.result_of(step).result()
         except Exception:
             if isinstance(self.scheduler, AsyncScheduler):  # its counters already ran ahead:
                 self.fail(step.batch)  # end its requests (error) rather than leave them astray

@@ -147,3 +147,54 @@ class AsyncScheduler(Scheduler):
             self.finish(request, RequestStatus.FINISHED_ERROR)
             failed.append(request)
         return failed
+
+
+class BatchQueueScheduler(AsyncScheduler):
+    """Pipeline parallelism's batch queue (vLLM V1's): up to one batch per stage in flight,
+    each of different requests. A request whose sampled token is still in flight is not
+    scheduled again until that step returns: the first stage would need the token before the
+    last stage has sampled it. A prefill chunk that samples nothing does not hold its request
+    back: every stage runs the batches in order, so the next chunk's attention on a stage finds
+    the previous chunk's K/V there. Each batch takes at most 1/num_stages of the live requests,
+    so they spread over the stages' batches rather than all riding in one (which would leave
+    every other stage idle, as with one batch in flight)."""
+
+    def __init__(self, *args: Any, num_stages: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_stages = num_stages
+        self._rows_left: int | None = None  # rows this batch may still take, while scheduling
+        self._counting = False  # inside _schedule_running (not the step budget's estimates)
+
+    def schedule(self) -> SchedulerOutput:
+        live = len(self.running) + len(self.waiting)
+        self._rows_left = -(-live // self.num_stages)
+        try:
+            return super().schedule()
+        finally:
+            self._rows_left = None
+
+    def _schedule_running(self, budget: int, out: list[tuple[Request, int]]) -> tuple[int, bool]:
+        self._counting = True
+        try:
+            return super()._schedule_running(budget, out)
+        finally:
+            self._counting = False
+
+    def _schedule_waiting(self, budget: int, out: list[tuple[Request, int]]) -> None:
+        cap = self.max_num_seqs
+        if self._rows_left is not None:  # admit no more than the rows this batch has left
+            self.max_num_seqs = min(cap, len(self.running) + max(0, self._rows_left))
+        try:
+            super()._schedule_waiting(budget, out)
+        finally:
+            self.max_num_seqs = cap
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if request.num_output_placeholders:
+            return 0
+        num_new = super()._num_new_tokens(request, budget)
+        if self._counting and self._rows_left is not None and num_new > 0:
+            if self._rows_left <= 0:
+                return 0
+            self._rows_left -= 1
+        return num_new

@@ -123,9 +123,13 @@ class ParallelGroups:
     def broadcast(self, x: torch.Tensor, idle: bool = False) -> torch.Tensor:
         """World rank 0's `x` to all (in place). `idle`: the control group's wait for the next
         step, which may last as long as the engine has nothing to do."""
-        group = self.cpu_group if x.device.type == "cpu" else self.world_group
-        group.broadcast(x, 0, IDLE_TIMEOUT if idle else COLLECTIVE_TIMEOUT).wait()
+        self.broadcast_async(x, idle).wait()
         return x
+
+    def broadcast_async(self, x: torch.Tensor, idle: bool = False) -> Any:
+        """Starts `broadcast`; returns its work (`x` must live until the work completes)."""
+        group = self.cpu_group if x.device.type == "cpu" else self.world_group
+        return group.broadcast(x, 0, IDLE_TIMEOUT if idle else COLLECTIVE_TIMEOUT)
 
 
 def connect_store(host: str, port: int, rank: int, size: int) -> dist.TCPStore:

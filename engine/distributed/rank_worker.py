@@ -17,8 +17,10 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,24 +63,38 @@ class StepBroadcaster(StepSender):
     def __init__(self, groups: ParallelGroups, check_alive: Callable[[], None]) -> None:
         self.groups = groups
         self.check_alive = check_alive
+        # Broadcasts sent without waiting (the batch queue's launches) and their tensors, which
+        # must outlive them; dropped once complete.
+        self._unsettled: deque[tuple[Any, torch.Tensor]] = deque()
 
-    def _header(self, *values: int) -> None:
+    def _broadcast(self, x: torch.Tensor, idle: bool, wait: bool) -> None:
+        if wait:
+            self.groups.broadcast(x, idle=idle)
+            return
+        while self._unsettled and self._unsettled[0][0].is_completed():
+            self._unsettled.popleft()
+        self._unsettled.append((self.groups.broadcast_async(x, idle=idle), x))
+
+    def _header(self, *values: int, wait: bool = True) -> None:
         self.check_alive()
         header = torch.zeros(HEADER_LEN, dtype=torch.long)
         header[:len(values)] = torch.tensor(values, dtype=torch.long)
-        self.groups.broadcast(header, idle=True)
+        self._broadcast(header, True, wait)
 
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                     meta: AttentionMetadata) -> None:
-        """Header: sizes, KV blocks, window, block size; payload: the flat int64 inputs."""
+                     meta: AttentionMetadata, wait: bool = True) -> None:
+        """Header: sizes, KV blocks, window, block size; payload: the flat int64 inputs.
+        `wait=False` returns before the ranks have taken it (the pipeline's batch queue: the
+        first stage takes the next batch while later stages still run the ones before)."""
         num_seqs, max_blocks = meta.block_tables.shape
         self._header(CMD_FORWARD, input_ids.shape[0], num_seqs, max_blocks,
-                     kv_caches[0][0].shape[0], meta.sliding_window or -1, meta.block_size)
+                     kv_caches[0][0].shape[0], meta.sliding_window or -1, meta.block_size,
+                     wait=wait)
         payload = torch.cat([input_ids.long(), positions.long(), meta.slot_mapping.long(),
                              meta.query_start_loc.long(), meta.seq_lens.long(),
                              meta.block_tables.long().flatten()])
-        self.groups.broadcast(payload)
+        self._broadcast(payload, False, wait)
 
     def send_logits(self, hidden: torch.Tensor) -> None:
         """Header: rows, hidden size, dtype; payload: the rows."""

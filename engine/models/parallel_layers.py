@@ -174,8 +174,9 @@ class StepSender:
 
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                     meta: AttentionMetadata) -> None:
-        """Sends a forward's inputs to the other ranks."""
+                     meta: AttentionMetadata, wait: bool = True) -> None:
+        """Sends a forward's inputs to the other ranks (`wait=False`: without waiting for them
+        to take it)."""
         raise NotImplementedError
 
     def send_logits(self, hidden: torch.Tensor) -> None:

@@ -147,12 +147,20 @@ class PipelineStageLlama(LlamaForCausalLM):
         self.driver: StepSender | None = None
         self.link: StageLink | None = None
 
+    def launch(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+               ) -> None:
+        """Rank 0 under the batch queue: sends the step to the other stages without waiting;
+        `forward(..., sent=True)` later runs this stage's part of it."""
+        assert self.driver is not None
+        self.driver.send_forward(input_ids, positions, kv_caches, meta, wait=False)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
-                ) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                sent: bool = False) -> torch.Tensor:
         """This stage's layers over the step: the final hidden states on the last stage; on the
-        others the states sent on (returned too)."""
-        if self.driver is not None:
+        others the states sent on (returned too). `sent`: rank 0 launched the step already."""
+        if self.driver is not None and not sent:
             self.driver.send_forward(input_ids, positions, kv_caches, meta)
         if self.stage.is_first:
             x = self.embed_tokens(input_ids)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +22,7 @@ from engine.model_loader.loader import ModelSource, iter_weights
 from engine.models import build_model
 from engine.models.cpu_linear import pack_linears
 from engine.models.llama import LlamaForCausalLM
-from engine.models.pipeline_layers import build_stage_model
+from engine.models.pipeline_layers import PipelineStageLlama, build_stage_model
 from engine.quantization import (
     apply_plan,
     cast_float_parameters,
@@ -36,7 +37,7 @@ from engine.quantization.checkpoint import (
 )
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
-from engine.worker.input_batch import decode_batch, prepare_inputs, with_history
+from engine.worker.input_batch import BatchInputs, decode_batch, prepare_inputs, with_history
 from engine.worker.offload import CPUOffload, offload_to_cpu
 from engine.worker.sampler import Sampler
 from kernels.selector import get_attention_backend
@@ -73,6 +74,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # The last step's sampled tokens: async scheduling's placeholders in the next step.
         self.last_sampled: dict[str, int] = {}
+        # Pipeline parallel batch queue: launched batches and their inputs, oldest first.
+        self._launched: deque[tuple[SchedulerOutput, BatchInputs | None]] = deque()
 
     def _load_model(self, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
         start = time.perf_counter()
@@ -256,6 +259,11 @@ class ModelRunner:
             if not inputs.sampling_rows:
                 return StepResult()
             hidden, rows = hidden[inputs.logits_indices], inputs.sampling_rows
+        return self._sample(hidden, rows, previous)
+
+    def _sample(self, hidden: torch.Tensor, rows: list[ScheduledRequest],
+                previous: dict[str, int]) -> StepResult:
+        """Logits of the sampling rows' hidden states, sampled."""
         logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler.sample(logits, with_history(rows, previous))
         grammar = self.sampler.last_grammar_result
@@ -267,6 +275,38 @@ class ModelRunner:
                 result.logprobs[row.request_id] = lp
         self.last_sampled = result.sampled
         return result
+
+    # ---- pipeline parallel batch queue (rank 0, the last stage) -----------------------------
+    # Up to one batch per stage is in flight: `launch` sends a batch to the stages and returns
+    # at once, so the first stage starts it while this stage still finishes an earlier one;
+    # `finish` then runs this stage's layers on it and samples. Batches finish in launch order,
+    # and the scheduler never puts a request in a batch while its token is in flight, so no row
+    # carries a placeholder.
+
+    @torch.inference_mode()
+    def launch(self, batch: SchedulerOutput) -> None:
+        """Sends `batch` to the pipeline's stages without waiting for them."""
+        assert isinstance(self.model, PipelineStageLlama)
+        self.sampler.forget(batch.finished_request_ids)
+        inputs = prepare_inputs(batch, self.block_size, self.config.sliding_window,
+                                self.device) if batch.requests else None
+        if inputs is not None:
+            self.model.launch(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        self._launched.append((batch, inputs))
+
+    @torch.inference_mode()
+    def finish(self, batch: SchedulerOutput) -> StepResult:
+        """This stage's part of the oldest launched batch (`batch`), sampled."""
+        launched, inputs = self._launched.popleft()
+        assert launched is batch, "batches finish in the order they were launched"
+        if inputs is None:
+            return StepResult()
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                            sent=True)
+        if not inputs.sampling_rows:
+            return StepResult()
+        return self._sample(hidden[inputs.logits_indices], inputs.sampling_rows, {})
+
 
 @torch.no_grad()
 def _init_dummy_weights(model: torch.nn.Module, device: torch.device) -> None:

@@ -47,6 +47,26 @@ class Worker:
         """Starts a step on the worker thread; the future gives (result, forward seconds)."""
         return self._thread.submit(self._execute, batch)
 
+    def launch(self, batch: SchedulerOutput) -> Future[None]:
+        """Pipeline parallel batch queue: sends the batch to the stages on the worker thread
+        (ModelRunner.launch); `finish` later gives its result."""
+        assert self.runner is not None, "Worker.attach(runner) comes before the first step"
+        return self._thread.submit(self.runner.launch, batch)
+
+    def finish(self, batch: SchedulerOutput, launched: Future[None]
+               ) -> Future[tuple[StepResult, float]]:
+        """The result of a launched batch: rank 0's stage runs it after what is queued."""
+        return self._thread.submit(self._finish, batch, launched)
+
+    def _finish(self, batch: SchedulerOutput, launched: Future[None]
+                ) -> tuple[StepResult, float]:
+        assert self.runner is not None
+        launched.result()  # done (the thread runs in order); raises the launch's error
+        started = time.perf_counter()
+        result = self.runner.finish(batch)
+        result.forward_seconds = time.perf_counter() - started
+        return result, result.forward_seconds
+
     def _execute(self, batch: SchedulerOutput) -> tuple[StepResult, float]:
         assert self.runner is not None, "Worker.attach(runner) comes before the first step"
         started = time.perf_counter()

@@ -14,13 +14,16 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from engine.async_engine import AsyncEngine
+from engine.core.scheduler_output import SchedulerOutput
 from engine.llm import LLM
 from engine.models.pipeline_layers import split_layers
 from engine.outputs import RequestOutput
@@ -232,3 +235,56 @@ def test_serve_pp2_completes_and_reaps(tiny_llama_dir: Path, tmp_path: Path) -> 
         assert "per stage (pipeline parallel size 2" in server.log()
         assert server.stop() == 0
     assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
+
+
+def test_batch_queue_keeps_one_batch_per_stage_in_flight(tiny_llama_dir: Path,
+                                                         pp_llama: tuple[LLM, list[str]]) -> None:
+    """The batch queue: rank 0 launches a second batch before it finishes the first (the worker
+    thread runs launch, launch, finish, launch, finish, ...), the batches in flight never share
+    a request whose token is pending, each takes about half the live requests, and the tokens
+    still equal one process."""
+    from engine.core.async_scheduler import BatchQueueScheduler
+
+    llm = pp_llama[0]
+    engine = llm.engine
+    assert engine.batch_queue and isinstance(engine.scheduler, BatchQueueScheduler)
+    assert engine.pipeline_depth() == 2
+    worker = engine.worker
+    calls: list[str] = []
+    outstanding: list[frozenset[str]] = []
+    sizes: list[int] = []
+    launch, finish = worker.launch, worker.finish
+
+    def sampling_ids(batch: SchedulerOutput) -> frozenset[str]:
+        return frozenset(r.request_id for r in batch.requests if r.sample)
+
+    def traced_launch(batch: SchedulerOutput) -> Future[None]:
+        ids = sampling_ids(batch)
+        assert all(not (ids & other) for other in outstanding), "a pending token rescheduled"
+        outstanding.append(ids)
+        calls.append("L")
+        sizes.append(len(batch.requests))
+        return launch(batch)
+
+    def traced_finish(batch: SchedulerOutput, launched: Future[None]) -> Future[Any]:
+        assert outstanding.pop(0) == sampling_ids(batch)
+        calls.append("F")
+        return finish(batch, launched)
+
+    # 8 two-token prompts fit one step's 16-token budget: only the cap splits them.
+    prompts = [{"prompt_token_ids": [5 + i, 17 + i]} for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    single = LLM(str(tiny_llama_dir), **ENGINE_KWARGS)
+    try:
+        expected = [o.outputs[0].token_ids for o in single.generate(prompts, params,
+                                                                    use_tqdm=False)]
+    finally:
+        single.engine.shutdown()
+    worker.launch, worker.finish = traced_launch, traced_finish  # type: ignore[method-assign]
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del worker.launch, worker.finish
+    assert got == expected
+    assert "".join(calls).startswith("LLFLF")
+    assert max(sizes) <= 4  # 8 live requests over 2 stages
