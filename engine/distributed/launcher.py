@@ -8,8 +8,8 @@ engine/distributed/rank_worker.py. The rendezvous store listens on a port the OS
 group lives under a name unique to this engine, so engines and test runs on one host never meet.
 A rank that exits is noticed before the next step is sent (and a step in flight fails at once:
 its peers' sockets close, and the failure runs through the stages); the engine then refuses
-further steps with RankDiedError. One batch is in flight across the stages at a time (the
-stages run one after another within a step).
+further steps with RankDiedError. Under pipeline parallelism (TP 1) the engine keeps a batch per
+stage in flight (the batch queue: engine/core/async_scheduler.py, ModelRunner.launch/finish).
 """
 
 from __future__ import annotations

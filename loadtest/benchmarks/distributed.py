@@ -1,7 +1,7 @@
 """Issue 13's benchmarks: data parallelism, tensor parallelism and cache-aware routing on this
 CPU, and the per-GPU KV arithmetic of a 70B-class model on 8x H200 from `kvserve plan`.
 
-Four parts, each its own module, run one after the other (all ratios from one run):
+Five parts, each its own module, run one after the other (all ratios from one run):
   dp       `kvserve serve -dp 2` (1 thread per replica) vs one engine with 2 threads, same
            chat load: output tok/s and p99 TTFT              (distributed_serving.py)
   tp       decode step time with TP=1 and TP=2 at 1 and 64 sequences, and the share of a TP=2
@@ -10,6 +10,8 @@ Four parts, each its own module, run one after the other (all ratios from one ru
            rate and mean TTFT, 2 replicas, concurrency 1 and 16 (distributed_routing.py)
   plan     `kvserve plan` of Llama-3.1-70B's config on 8x H200, TP=8 and TP=4 x PP=2
            (distributed_plan.py)
+  pp       PP=2 offline throughput with the batch queue vs one batch at a time, and one
+           process with the same threads                     (distributed_pp.py)
 A part that fails is reported with its error; the others still run. Alone:
 `python -m loadtest.benchmarks.distributed [--quick] [--threads N] [--parts ...] [--json PATH]`.
 """
@@ -30,7 +32,7 @@ COMMAND = "python -m loadtest.benchmarks.distributed"
 TARGET = ("issue 13: ratios in one run (DP=2 vs one engine, TP=2 vs TP=1 with its "
           "communication share, routing vs round robin, 70B plan per GPU); held to: our "
           "cache-aware routing's prefix-cache hit rate above round robin's at every concurrency")
-PARTS = ("dp", "tp", "routing", "plan")
+PARTS = ("dp", "tp", "routing", "plan", "pp")
 
 
 def _part(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -48,6 +50,7 @@ def run(ctx: SuiteContext) -> dict[str, Any]:
     ctx.quick; ctx.extra["tp_model"] swaps the TP model (tests)."""
     from loadtest.benchmarks import (
         distributed_plan,
+        distributed_pp,
         distributed_routing,
         distributed_serving,
         distributed_tp,
@@ -79,6 +82,11 @@ def run(ctx: SuiteContext) -> dict[str, Any]:
             result["routing"]["compare"] = distributed_routing.compare(result["routing"])
     if "plan" in parts:
         result["plan"] = _part("plan", lambda: distributed_plan.run_plans(ctx.log_dir))
+    if "pp" in parts:
+        pp_cfg = distributed_pp.PPConfig.quick() if ctx.quick else distributed_pp.PPConfig()
+        model = ctx.extra.get("tp_model")
+        result["pp"] = _part("pp", lambda: distributed_pp.run_pp(
+            ctx.log_dir, pp_cfg, Path(model) if model else None))
     result["met"], result["summary"] = verdict(result)
     return result
 
@@ -111,6 +119,9 @@ def verdict(result: dict[str, Any]) -> tuple[bool | None, str]:
     if layouts:
         bits.append("70B on 8x H200: " + ", ".join(
             f"{lay['name']} {lay['kv_tokens'] / 1e6:.2f}M KV tokens" for lay in layouts))
+    pp = result.get("pp") or {}
+    if pp.get("batch_queue_gain"):
+        bits.append(f"PP=2 batch queue {pp['batch_queue_gain']:.2f}x one batch at a time")
     errors = [p for p in PARTS if "error" in (result.get(p) or {})]
     if errors:
         bits.append(f"failed: {', '.join(errors)}")

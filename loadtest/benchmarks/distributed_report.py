@@ -202,17 +202,42 @@ def _plan_notes(lays: list[dict[str, Any]]) -> str:
             "runs that layout (8 ranks).")
 
 
+def render_pp(pp: dict[str, Any]) -> str:
+    """Offline tokens/s of PP=2 with and without the batch queue, and of one process."""
+    title = "Pipeline parallel: the batch queue"
+    if "error" in pp:
+        return _failed(title, pp)
+    cfg = pp["config"]
+    rows = [(r["setup"], r["tok_s"]) for r in pp["rows"]]
+    when = f" Measured {pp['date']}, in a run of this part alone." if pp.get("date") else ""
+    busy = [r["setup"] for r in pp["rows"] if (r.get("other_cores") or 0.0) > QUIET_CORES]
+    return "\n\n".join([
+        f"**{title}.** The TP part's SmolLM2-like Llama (30 layers, random weights), 15 layers "
+        f"per stage, offline: {cfg['requests']} requests of {cfg['prompt_len']} prompt tokens, "
+        f"{cfg['max_tokens']} output tokens each (`ignore_eos`), best of {cfg['repeats']}. "
+        "PP=2 runs 1 thread per stage (2 processes, 2 threads in all). With the batch queue "
+        "rank 0 launches a batch (half the requests) to the first stage and finishes the one "
+        "before on the last stage meanwhile; switched off on the same engine, the same "
+        "half-batches run through both stages one after the other." + when,
+        format_table(("setup", "output tokens/s"), rows),
+        f"Batch queue over one batch at a time: {_x(pp.get('batch_queue_gain'))}; over one "
+        f"process with 2 threads: {_x(pp.get('vs_one_process'))}. On one machine PP splits "
+        "the same cores, so it is not expected to beat one process; the queue's gain is the "
+        "idle stage it puts to work, which on GPUs is a whole device per stage."
+        + (f" WARNING: other processes were busy during {'; '.join(busy)}." if busy else "")])
+
+
 def render_all(result: dict[str, Any]) -> str:
     """Every part that ran, then the target line."""
     parts = []
     if result.get("quick"):
         parts.append("*Quick run: smoke-test sizes, not figures to quote.*")
-    left_out = [p for p in ("dp", "tp", "routing", "plan") if p not in result]
+    left_out = [p for p in ("dp", "tp", "routing", "plan", "pp") if p not in result]
     if left_out:
-        parts.append(f"*Parts not run in this measurement: {', '.join(left_out)} (all four run "
+        parts.append(f"*Parts not run in this measurement: {', '.join(left_out)} (all five run "
                      "with `python -m loadtest.benchmarks --only distributed`).*")
     for key, fn in (("dp", render_dp), ("tp", render_tp), ("routing", render_routing),
-                    ("plan", render_plan)):
+                    ("plan", render_plan), ("pp", render_pp)):
         if key in result:
             parts.append(fn(result[key]))
     parts.append(target_line(result["target"], result["met"], result["summary"]))

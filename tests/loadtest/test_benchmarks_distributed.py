@@ -108,6 +108,22 @@ def test_tp_step_timing_hooks_rank_zeros_collectives(tmp_path: Path) -> None:
     assert set(speedups) == {1, 4} and speedups[4]["comm_share"] == two[1]["comm_share"]
 
 
+def test_pp_batch_queue_part_on_the_tiny_model(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """The PP part runs its three setups on the two-layer tiny model (one layer per stage),
+    leaves the engine's batch queue on, and renders; no timing thresholds."""
+    from loadtest.benchmarks import distributed_pp
+    from loadtest.benchmarks.distributed_report import render_pp
+
+    result = distributed_pp.run_pp(tmp_path, distributed_pp.PPConfig.quick(), tiny_llama_dir)
+    assert [r["setup"] for r in result["rows"]] == list(distributed_pp.SETUPS)
+    assert all(r["tok_s"] > 0 for r in result["rows"])
+    assert result["batch_queue_gain"] > 0 and result["vs_one_process"] > 0
+    page = render_pp(result)
+    assert "| PP=2 x 1 thread, batch queue" in page and "Batch queue over one batch" in page
+    verdict = distributed.verdict({"pp": result})[1]
+    assert verdict.startswith("PP=2 batch queue ")
+
+
 def _level(conc: int, hit: float, ttft: float) -> dict[str, Any]:
     return {"concurrency": conc, "requests": 8, "ok": 8, "failed": 0, "errors": [],
             "ttft_mean_ms": ttft, "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft,
@@ -173,7 +189,7 @@ def test_page_and_verdict(tmp_path: Path) -> None:
                  **dict(zip(("met", "summary"), distributed.verdict({"plan": result["plan"]}),
                             strict=True))}
     assert plan_only["met"] is None
-    assert "Parts not run in this measurement: dp, tp, routing" in render_all(plan_only)
+    assert "Parts not run in this measurement: dp, tp, routing, pp" in render_all(plan_only)
 
 
 def test_the_suite_runs_it_as_distributed() -> None:
