@@ -43,7 +43,7 @@ from server.dp_replicas import (
     terminate_all,
     wait_ready,
 )
-from server.dp_routing import Balancer, prefix_key, prompt_text
+from server.dp_routing import Balancer, prefix_keys, prompt_text
 from server.errors import APIError, error_middleware
 from server.router_api import connect_address
 from server.routes import DONE, sse_event
@@ -116,7 +116,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         body = None  # the replica answers the 400
-    index = front.balancer.acquire(prefix_key(prompt_text(body)))
+    index = front.balancer.acquire(prefix_keys(prompt_text(body)))
     if index is None:
         raise _no_replica()
     try:
@@ -172,7 +172,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     """GET /v1/ws: one replica (the least loaded) serves the whole connection; messages pass
     through both ways and a close on either side closes the other."""
     front = request.app[FRONT]
-    index = front.balancer.acquire(None)
+    index = front.balancer.acquire()
     if index is None:
         raise _no_replica()
     config = request.app[CONFIG]

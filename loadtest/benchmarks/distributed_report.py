@@ -153,9 +153,9 @@ def render_routing(rt: dict[str, Any]) -> str:
         "never evicts, each prompt hitting (in whole 16-token blocks) the longest prefix it "
         "shares with an earlier prompt, so each document misses once in all. Looked-up tokens "
         "per replica show how the work split (a cache-aware router may pile documents onto "
-        "one replica). Our front keys a prompt's affinity on its first 256 characters "
-        "(server/dp_routing.py), so a shared prefix shorter than that gets no affinity and "
-        "is routed by load alone.",
+        "one replica). Our front keys a prompt's affinity on its prefixes of 64, 128, 256, ... "
+        "characters and follows the longest one an earlier prompt had (server/dp_routing.py)."
+        + (f" Measured {rt['date']}, in a run of this part alone." if rt.get("date") else ""),
         "```\n" + "\n".join(rt["commands"]) + "\n```"])
 
 

@@ -8,14 +8,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from server.dp_replicas import child_argv, merge_metrics, threads_per_replica
 from server.dp_routing import (
     MAX_EXTRA_LOAD,
-    PREFIX_CHARS,
+    PREFIX_LENGTHS,
     Balancer,
     choose_replica,
-    prefix_key,
+    prefix_keys,
     prompt_text,
 )
 
-LONG = "You are a helpful assistant. " * 20  # > PREFIX_CHARS
+LONG = "You are a helpful assistant. " * 20  # 580 characters: keys at 64 .. 512
 
 
 def test_least_loaded_wins() -> None:
@@ -38,62 +38,86 @@ def test_affinity_wins_until_overloaded() -> None:
 
 def test_balancer_spreads_and_counts() -> None:
     balancer = Balancer(2)
-    first, second = balancer.acquire(None), balancer.acquire(None)
+    first, second = balancer.acquire(), balancer.acquire()
     assert {first, second} == {0, 1}
     assert balancer.in_flight == [1, 1]
-    assert balancer.acquire(None) == 0 and balancer.in_flight == [2, 1]
+    assert balancer.acquire() == 0 and balancer.in_flight == [2, 1]
     balancer.release(0)
     balancer.release(0)
-    assert balancer.acquire(None) == 0  # now the least loaded
+    assert balancer.acquire() == 0  # now the least loaded
     assert balancer.routed == [3, 1]
 
 
 def test_balancer_prefix_affinity_and_spill() -> None:
     balancer = Balancer(2, max_extra_load=MAX_EXTRA_LOAD)
-    key = prefix_key(LONG + "first question")
-    assert key is not None and key == prefix_key(LONG + "another question")  # same prefix
-    home = balancer.acquire(key)
+    keys = prefix_keys(LONG + "first question")
+    assert keys[:4] == prefix_keys(LONG + "another question")[:4]  # same 512-char prefix
+    home = balancer.acquire(keys)
     assert home is not None
     # Same prefix keeps going home while home carries <= MAX_EXTRA_LOAD more than the other.
     for _ in range(MAX_EXTRA_LOAD):
-        assert balancer.acquire(key) == home
+        assert balancer.acquire(prefix_keys(LONG + "another question")) == home
     assert balancer.affinity_hits == MAX_EXTRA_LOAD
-    other = balancer.acquire(key)  # home is now MAX_EXTRA_LOAD + 1 ahead: spill
+    other = balancer.acquire(keys)  # home is now MAX_EXTRA_LOAD + 1 ahead: spill
     assert other == 1 - home
-    assert balancer.acquire(key) == other  # the prefix moved with the spill
+    balancer.release(home)
+    balancer.release(home)
+    # The spill did not move the prefix: once the load allows, it goes home again.
+    assert balancer.acquire(keys) == home
     # A different prefix goes to the least loaded replica, not to a prefix's home.
-    assert balancer.acquire(prefix_key("z" * PREFIX_CHARS)) == other
+    assert balancer.acquire(prefix_keys("z" * 300)) == other
+
+
+def test_longest_shared_prefix_wins() -> None:
+    """A shared system prompt owned by one replica, a conversation's history by the other:
+    the conversation's next turn follows its history (the longer prefix)."""
+    balancer = Balancer(2, max_extra_load=0)
+    system = "system: " + "Answer briefly and cite the document. " * 4  # > 128 characters
+    assert balancer.acquire(prefix_keys(system + "user: hello")) == 0
+    history = system + "user: " + "tell me about rivers and lakes " * 6  # > 256 characters
+    assert balancer.acquire(prefix_keys(history)) == 1  # replica 0 is busier: spills
+    balancer.release(0)
+    balancer.release(1)
+    follow_up = history + "assistant: they hold water. user: and oceans?"
+    assert balancer.acquire(prefix_keys(follow_up)) == 1  # its history lives on replica 1
+    assert balancer.acquire(prefix_keys(system + "user: something else")) == 0
 
 
 def test_dead_replica_loses_its_prefixes() -> None:
     balancer = Balancer(3)
-    key = prefix_key(LONG)
-    home = balancer.acquire(key)
+    keys = prefix_keys(LONG)
+    home = balancer.acquire(keys)
     assert home is not None
     balancer.release(home)
     balancer.mark_dead(home)
     for _ in range(5):
-        chosen = balancer.acquire(key)
+        chosen = balancer.acquire(keys)
         assert chosen is not None and chosen != home
 
 
 def test_prefix_table_is_bounded() -> None:
     balancer = Balancer(2, capacity=8)
     for i in range(50):
-        balancer.acquire(prefix_key(f"{i:04d}" + LONG))
+        balancer.acquire(prefix_keys(f"{i:04d}" + LONG))
     assert len(balancer._prefixes) == 8
 
 
-def test_prompt_text_and_key() -> None:
+def test_prompt_text_and_keys() -> None:
     chat = {"messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
     assert prompt_text(chat) == "system: Be brief.\nuser: Hi"
     assert prompt_text({"prompt": ["a", "b"]}) == "a"
     assert prompt_text({"prompt": [1, 2, 3]}) == "1 2 3"
     assert prompt_text(None) == "" and prompt_text({"prompt": 5}) == ""
-    assert prefix_key("short") is None  # too short to pin
-    assert prefix_key(LONG + "a") == prefix_key(LONG + "b")
-    assert prefix_key("a" + LONG) != prefix_key("b" + LONG)
+    assert prefix_keys("short") == ()  # too short to pin
+    assert len(prefix_keys(LONG)) == 4 and len(prefix_keys("x" * PREFIX_LENGTHS[-1])) == 9
+    assert prefix_keys(LONG + "a") == prefix_keys(LONG + "b")
+    assert set(prefix_keys("a" + LONG)).isdisjoint(prefix_keys("b" + LONG))
+    # Each key hashes exactly its prefix: a prompt's 128-character key is another's whose
+    # first 128 characters are the same, multi-byte characters included.
+    text = "é" * 100 + "x" * 100
+    assert prefix_keys(text)[1] == prefix_keys(text[:128] + "y" * 50)[1]
+    assert prefix_keys(text)[1] != prefix_keys(text[:127] + "y" * 50)[1]
 
 
 def test_threads_and_child_argv() -> None:
