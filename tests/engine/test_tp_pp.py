@@ -2,8 +2,9 @@
 and logprobs as one process on the tiny Llama and Qwen2 (chunked prefill, prefix caching); the
 startup lines name each rank's part and the per-rank KV capacity; greedy tokens under
 preemption equal transformers' `generate` with TP=2, PP=2 and TP=2 x PP=2; a killed rank fails
-requests and every rank is reaped; `kvserve serve -tp 2 -pp 2`; SmolLM2 (9 heads, 3 KV heads)
-under TP=3 against transformers on the same GGUF (the near-tie rule)."""
+requests and every rank is reaped; `kvserve serve -tp 2 -pp 2`, also SIGTERM under load; SmolLM2
+(9 heads, 3 KV heads) under TP=3 against transformers on the same GGUF (the near-tie rule); the
+weight shards concatenate back to the checkpoint's tensors."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from engine.llm import LLM
 from engine.model_loader.gguf.weights import default_model_path
@@ -196,3 +199,77 @@ def test_smollm2_tp3_matches_transformers() -> None:
                 for entry in completion.logprobs]
         ours.append((completion.token_ids, top5))
     assert count_divergences(ours, reference) <= 1
+
+
+@pytest.mark.parametrize("model_name,size", [("tiny_llama_dir", 2), ("tiny_llama_dir", 4),
+                                             ("tiny_qwen2_dir", 2)])
+def test_weight_shards_concatenate_to_the_full_weights(request: pytest.FixtureRequest,
+                                                       model_name: str, size: int) -> None:
+    """Every rank's slice of every checkpoint tensor, put back together (rows of q/k/v,
+    gate/up, the vocab matrices and biases; columns of o_proj and down_proj), is the whole
+    tensor; KV heads replicated over ranks (TP=4 over 2 KV heads) are the same on each."""
+    from safetensors.torch import load_file
+
+    from engine.config import ModelConfig
+    from engine.distributed.parallel_state import ParallelGroups, kv_heads_per_rank
+    from engine.models.parallel_layers import shard_weights
+
+    folder: Path = request.getfixturevalue(model_name)
+    cfg = ModelConfig.from_folder(folder)
+    tensors = load_file(folder / "model.safetensors")
+    shards = [dict(shard_weights(tensors.items(), cfg,
+                                 ParallelGroups(rank, size, torch.device("cpu"), None, None,
+                                                None))) for rank in range(size)]
+    kv_owners = max(1, size // cfg.num_key_value_heads)  # ranks holding the same KV head
+    for name, full in tensors.items():
+        parts = [shard[name] for shard in shards]
+        if ".o_proj." in name or ".down_proj." in name:
+            assert torch.equal(torch.cat(parts, dim=1), full), name
+        elif ".k_proj." in name or ".v_proj." in name:
+            heads = kv_heads_per_rank(cfg, size) * cfg.head_dim
+            assert all(p.shape[0] == heads for p in parts), name
+            for rank in range(0, size, kv_owners):
+                assert all(torch.equal(parts[rank], parts[rank + j]) for j in range(kv_owners))
+            assert torch.equal(torch.cat(parts[::kv_owners]), full), name
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            whole = torch.cat(parts)
+            assert torch.equal(whole[:full.shape[0]], full), name  # the last rank pads
+        elif "norm" in name:
+            assert all(torch.equal(p, full) for p in parts), name
+        else:
+            assert torch.equal(torch.cat(parts), full), name
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_under_load_drains_and_reaps(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`kvserve serve -tp 2` (and -pp 2 with it) under four streams: SIGTERM lets every stream
+    finish its tokens, the server exits 0 and no rank process is left."""
+    import asyncio
+
+    import aiohttp
+    import psutil
+
+    from tests.server.test_server_shutdown import start_streams, wait_exit
+    from tests.support.server_process import kvserve
+
+    max_tokens = 150
+
+    async def main(url: str, send_sigterm: Any) -> list[Any]:
+        async with aiohttp.ClientSession() as session:
+            streams, tasks = await start_streams(session, url, max_tokens)
+            send_sigterm()
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
+
+    with kvserve(tiny_llama_dir, "-tp", "2", "-pp", "2", log_dir=tmp_path) as server:
+        ranks = [p for p in psutil.Process(server.proc.pid).children()
+                 if "spawn_main" in " ".join(p.cmdline())]
+        assert len(ranks) == 3
+        streams = asyncio.run(main(server.url,
+                                   lambda: server.proc.send_signal(signal.SIGTERM)))
+        code, _ = wait_exit(server, 60)
+        assert code == 0, server.log()
+    for stream in streams:
+        assert stream.error is None and stream.done and stream.finish_reasons == ["length"]
+        assert stream.usage is not None and stream.usage["completion_tokens"] == max_tokens
+    for rank in ranks:
+        assert not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE
