@@ -206,7 +206,7 @@ class EngineArgs:
     device: str = _flag("auto", "auto|cpu|cuda", cli=False)
     tensor_parallel_size: int = _flag(
         1, "tensor-parallel ranks: the model's heads, MLP and vocab split over N processes "
-        "(gloo on CPU, NCCL on CUDA); N must divide the attention heads and KV heads",
+        "(shared-memory collectives and gloo on CPU, NCCL on CUDA); N must divide the attention heads and KV heads",
         plan=True, aliases=("-tp",))
     pipeline_parallel_size: int = _flag(
         1, "pipeline stages: contiguous layers (and their KV cache) on N processes, hidden "

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
+from engine.distributed.shm_collectives import ShmCollectives, create_shm_collectives
 
 # Collectives inside a forward: peers are a few milliseconds apart, so a long wait means a rank
 # hung (a crashed one closes its sockets and fails the collective at once).
@@ -103,6 +104,8 @@ class ParallelGroups:
     world_group: Any
     world_rank: int = 0
     world_size: int = 1
+    # The stage's shared-memory all-reduce and all-gather (CPU, one host); None: gloo only.
+    shm: ShmCollectives | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -111,11 +114,15 @@ class ParallelGroups:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks, in place; returns it."""
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         self.device_group.allreduce([x], dist.ReduceOp.SUM, COLLECTIVE_TIMEOUT).wait()
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `x` (same shape on all), in rank order."""
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         self.device_group.allgather([parts], [x.contiguous()]).wait(COLLECTIVE_TIMEOUT)
         return parts
@@ -166,5 +173,8 @@ def create_groups(store: dist.Store, prefix: str, world_rank: int, tensor_parall
                                  tensor_parallel_size, device)
     else:
         tp_group = None
+    shm = create_shm_collectives(store, prefix, pp_index, tp_rank, tensor_parallel_size,
+                                 COLLECTIVE_TIMEOUT.total_seconds()) \
+        if device.type == "cpu" else None
     return ParallelGroups(tp_rank, tensor_parallel_size, device, tp_group, cpu_group,
-                          world_group, world_rank, world_size)
+                          world_group, world_rank, world_size, shm)

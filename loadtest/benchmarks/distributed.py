@@ -103,7 +103,9 @@ def verdict(result: dict[str, Any]) -> tuple[bool | None, str]:
     for size, s in sorted((result.get("tp") or {}).get("speedups", {}).items(),
                           key=lambda kv: int(kv[0])):
         if s["comm_share"] is not None:
-            bits.append(f"TP=2 {size} seqs: comm {s['comm_share']:.0%} of the step")
+            gloo = s.get("gloo_comm_share")
+            bits.append(f"TP=2 {size} seqs: comm {s['comm_share']:.0%} of the step"
+                        + (f" (gloo: {gloo:.0%})" if gloo is not None else ""))
     compared = (result.get("routing") or {}).get("compare", [])
     checks = []
     for row in compared:

@@ -66,11 +66,13 @@ def render_tp(tp: dict[str, Any]) -> str:
     if "error" in tp:
         return _failed(title, tp)
     cfg, m = tp["config"], tp["model"]
-    rows = [(r["tp"], r["threads_per_rank"], r["sequences"], r["step_ms"],
+    rows = [(r["tp"], r["threads_per_rank"], r.get("collectives", "gloo") if r["tp"] > 1
+             else "-", r["sequences"], r["step_ms"],
              r["comm_ms"] if r["tp"] > 1 else None, _pct(r["comm_share"]) if r["tp"] > 1
              else None, r["collectives_per_step"] or None,
              r["comm_kib_per_step"] if r["tp"] > 1 else None, r["tok_s"]) for r in tp["rows"]]
-    speed = [(size, _x(s["speedup"]), _pct(s["comm_share"]))
+    speed = [(size, _x(s["speedup"]), _pct(s["comm_share"]), _pct(s.get("gloo_comm_share")),
+              _x(s.get("shm_vs_gloo")))
              for size, s in sorted(tp.get("speedups", {}).items(), key=lambda kv: int(kv[0]))]
     return "\n\n".join([
         f"**{title}.** SmolLM2-135M has 9 heads and 3 KV heads, which 2 ranks cannot split, so "
@@ -84,19 +86,28 @@ def render_tp(tp: dict[str, Any]) -> str:
         f"after {cfg['warmup_s']:g} s of warm-up. Threads: TP=2 runs 1 thread per rank (2 "
         "processes, 2 threads in all; rank 0's worker thread is set to 1 here, since the "
         "engine leaves it at --num-threads, the total of all ranks); TP=1 runs with 1 thread "
-        "(the same per-rank compute) and with 2 (the same cores).",
-        format_table(("TP", "threads per rank", "sequences", "step (ms)", "comm (ms)",
-                      "comm share", "collectives/step", "KiB moved/step", "tokens/s"), rows),
-        format_table(("sequences", "TP=1 (1 thread) step / TP=2 step", "TP=2 comm share"),
-                     speed) if speed else "",
-        "Comm is rank 0's wall time inside its collectives (gloo on CPU): the all-reduce after "
+        "(the same per-rank compute) and with 2 (the same cores)."
+        + (f" Measured {tp['date']}, in a run of this part alone." if tp.get("date") else ""),
+        format_table(("TP", "threads per rank", "collectives", "sequences", "step (ms)",
+                      "comm (ms)", "comm share", "collectives/step", "KiB moved/step",
+                      "tokens/s"), rows),
+        format_table(("sequences", "TP=1 (1 thread) step / TP=2 step (shm)",
+                      "TP=2 comm share (shm)", "TP=2 comm share (gloo)",
+                      "gloo step / shm step"), speed) if speed else "",
+        "Collectives: `shm` is the stage's shared-memory all-reduce and all-gather "
+        "(engine/distributed/shm_collectives.py: each rank writes its slot of a /dev/shm "
+        "mapping and spins until the other's counter catches up; tensors over 4 MiB still go "
+        "through gloo), the default on one host's CPU; `gloo` is the same engine with "
+        "`KVSERVE_SHM_COLLECTIVES=0` (loopback TCP). "
+        "Comm is rank 0's wall time inside its collectives: the all-reduce after "
         "each attention output and MLP down projection, the vocab-parallel embedding's "
         "all-reduce, the LM head's all-gather, and the broadcast of each step's inputs and "
         "hidden rows to rank 1. It is measured by a hook this benchmark installs on rank 0's "
         "process group, and it includes waiting for rank 1 to reach the collective, so it "
-        "bounds the transfer from above. A speed-up is not expected on 2 cores: the two ranks "
-        "share the cores TP=1 already uses, and each gloo collective costs a loopback round "
-        "trip and thread wake-ups. The share is the figure that matters on GPUs, where the "
+        "bounds the transfer from above. A speed-up over TP=1 with both threads is not expected "
+        "on 2 cores: the two ranks share the cores TP=1 already uses, and each collective "
+        "costs a wait for the other rank (with gloo also a loopback round trip and thread "
+        "wake-ups). The share is the figure that matters on GPUs, where the "
         "same collectives per step (count and bytes above) run over NVLink in microseconds "
         "each next to the step's compute." + _busy(tp["rows"])])
 

@@ -16,6 +16,9 @@ inputs broadcast to rank 1) and adds up their wall time on the worker thread. Th
 includes waiting for rank 1 to reach the same collective, so it is an upper bound on the
 transfer itself. Nothing in the engine changes when the hook is not installed.
 
+TP=2 runs twice: with the stage's shared-memory collectives (engine/distributed/
+shm_collectives.py, the default on one host's CPU) and with gloo's (KVSERVE_SHM_COLLECTIVES=0).
+
 Threads: each TP rank gets --num-threads / TP, rank 0's worker thread (where it computes)
 included.
 """
@@ -23,6 +26,7 @@ included.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +44,7 @@ from loadtest.benchmarks.engines import engine_args
 from loadtest.benchmarks.machine import wait_for_quiet
 from loadtest.benchmarks.overhead import decode_batch, warm_up
 
+SHM_ENV = "KVSERVE_SHM_COLLECTIVES"  # engine/distributed/shm_collectives.py
 # SmolLM2-135M's shape with 8 heads / 2 KV heads (hidden 512 = 8 x 64) so TP=2 splits it.
 TP_MODEL_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
@@ -58,8 +63,9 @@ class TPConfig:
     context: int = 256
     steps: int = 20
     warmup_s: float = 3.0
-    # (tensor-parallel size, threads per rank)
-    setups: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1))
+    # (tensor-parallel size, threads per rank, collectives: "shm", "gloo" or "-" for TP 1)
+    setups: tuple[tuple[int, int, str], ...] = ((1, 1, "-"), (1, 2, "-"), (2, 1, "shm"),
+                                                (2, 1, "gloo"))
     wait_quiet_s: float = 60.0  # before each setup, wait up to this long for an idle machine
 
     @classmethod
@@ -133,15 +139,24 @@ def time_steps(engine: LLMEngine, size: int, cfg: TPConfig, timer: CommTimer | N
             "tok_s": size / (step_ms / 1e3)}
 
 
-def measure_setup(model: Path, tp: int, threads_per_rank: int, cfg: TPConfig
-                  ) -> list[dict[str, Any]]:
-    """One engine (TP ranks x threads each); one row per batch size."""
+def measure_setup(model: Path, tp: int, threads_per_rank: int, cfg: TPConfig,
+                  collectives: str = "shm") -> list[dict[str, Any]]:
+    """One engine (TP ranks x threads each, their all-reduces and all-gathers through shared
+    memory or gloo); one row per batch size."""
     max_seqs = max(cfg.sizes)
     args = engine_args(str(model), tp * threads_per_rank, max_seqs,
                        max_seqs * (cfg.context + 16), tensor_parallel_size=tp)
     if cfg.wait_quiet_s > 0:
         wait_for_quiet(cfg.wait_quiet_s)
-    engine = LLMEngine(args)
+    before = os.environ.get(SHM_ENV)
+    os.environ[SHM_ENV] = "0" if collectives == "gloo" else "1"  # read at the groups' setup
+    try:
+        engine = LLMEngine(args)
+    finally:
+        if before is None:
+            del os.environ[SHM_ENV]
+        else:
+            os.environ[SHM_ENV] = before
     try:
         timer = CommTimer(engine.tp.groups) if engine.tp is not None else None
         ranks = [p.pid for p in engine.tp.procs if p.pid is not None] if engine.tp else []
@@ -149,9 +164,10 @@ def measure_setup(model: Path, tp: int, threads_per_rank: int, cfg: TPConfig
         for size in cfg.sizes:
             with CpuMeter(ranks) as cpu:
                 row = time_steps(engine, size, cfg, timer)
-            row.update(tp=tp, threads_per_rank=threads_per_rank, other_cores=cpu.other_cores)
+            row.update(tp=tp, threads_per_rank=threads_per_rank, collectives=collectives,
+                       other_cores=cpu.other_cores)
             rows.append(row)
-            print(f"[tp] TP={tp} x {threads_per_rank} thread(s), {size} seqs: "
+            print(f"[tp] TP={tp} x {threads_per_rank} thread(s) ({collectives}), {size} seqs: "
                   f"{row['step_ms']:.1f} ms/step, comm {row['comm_ms']:.2f} ms "
                   f"({row['comm_share']:.1%})", flush=True)
         return rows
@@ -162,7 +178,8 @@ def measure_setup(model: Path, tp: int, threads_per_rank: int, cfg: TPConfig
 def run_tp(folder: Path, cfg: TPConfig, model: Path | None = None) -> dict[str, Any]:
     """Every setup of `cfg` on the TP model (built under `folder`, or `model` when given)."""
     model = model or build_tp_model(folder / "tp_llama_30l_h512")
-    rows = [row for tp, threads in cfg.setups for row in measure_setup(model, tp, threads, cfg)]
+    rows = [row for tp, threads, coll in cfg.setups
+            for row in measure_setup(model, tp, threads, cfg, coll)]
     config = json.loads((model / "config.json").read_text())
     return {"config": cfg.__dict__ | {"setups": [list(s) for s in cfg.setups]},
             "model": {k: config.get(k) for k in ("hidden_size", "intermediate_size",
@@ -173,12 +190,18 @@ def run_tp(folder: Path, cfg: TPConfig, model: Path | None = None) -> dict[str, 
 
 
 def tp_speedups(rows: Sequence[dict[str, Any]]) -> dict[int, dict[str, float | None]]:
-    """Per batch size: TP=1 step over TP=2 step (1 thread per rank), and TP=2's comm share."""
+    """Per batch size: TP=1 step over TP=2 step (1 thread per rank, shared-memory collectives),
+    TP=2's comm share with them, and with gloo's."""
+    def row(size: int, tp: int, collectives: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["sequences"] == size and r["tp"] == tp
+                     and r["threads_per_rank"] == 1
+                     and r.get("collectives", "gloo") in (collectives, "-")), None)
+
     out: dict[int, dict[str, float | None]] = {}
     for size in sorted({r["sequences"] for r in rows}):
-        one = next((r for r in rows if r["sequences"] == size and r["tp"] == 1
-                    and r["threads_per_rank"] == 1), None)
-        two = next((r for r in rows if r["sequences"] == size and r["tp"] == 2), None)
+        one, two, gloo = row(size, 1, "-"), row(size, 2, "shm"), row(size, 2, "gloo")
         out[size] = {"speedup": one["step_ms"] / two["step_ms"] if one and two else None,
-                     "comm_share": two["comm_share"] if two else None}
+                     "comm_share": two["comm_share"] if two else None,
+                     "gloo_comm_share": gloo["comm_share"] if gloo else None,
+                     "shm_vs_gloo": gloo["step_ms"] / two["step_ms"] if two and gloo else None}
     return out

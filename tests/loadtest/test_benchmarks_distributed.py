@@ -95,17 +95,21 @@ def test_tp_step_timing_hooks_rank_zeros_collectives(tmp_path: Path) -> None:
     all-gather); TP=1 in none."""
     model = tiny_model_dir(tmp_path)
     cfg = distributed_tp.TPConfig(sizes=(1, 4), context=32, steps=2, warmup_s=0.1,
-                                  setups=((1, 1), (2, 1)), wait_quiet_s=0.0)
+                                  setups=((1, 1, "-"), (2, 1, "shm"), (2, 1, "gloo")),
+                                  wait_quiet_s=0.0)
     result = distributed_tp.run_tp(tmp_path, cfg, model)
     one = [r for r in result["rows"] if r["tp"] == 1]
     two = [r for r in result["rows"] if r["tp"] == 2]
-    assert [r["sequences"] for r in two] == [1, 4]
+    assert [(r["collectives"], r["sequences"]) for r in two] == [
+        ("shm", 1), ("shm", 4), ("gloo", 1), ("gloo", 4)]
     assert all(r["collectives_per_step"] == 0 and r["comm_ms"] == 0 for r in one)
     assert all(r["collectives_per_step"] == 6 + 2 * 1 for r in two)
     assert all(0 < r["comm_ms"] <= r["step_ms"] and 0 < r["comm_share"] <= 1 for r in two)
     assert two[1]["comm_kib_per_step"] > two[0]["comm_kib_per_step"]  # more rows, more bytes
     speedups = distributed_tp.tp_speedups(result["rows"])
     assert set(speedups) == {1, 4} and speedups[4]["comm_share"] == two[1]["comm_share"]
+    assert speedups[4]["gloo_comm_share"] == two[3]["comm_share"]
+    assert speedups[4]["shm_vs_gloo"] == two[3]["step_ms"] / two[1]["step_ms"]
 
 
 def test_pp_batch_queue_part_on_the_tiny_model(tmp_path: Path, tiny_llama_dir: Path) -> None:
