@@ -170,3 +170,25 @@ def test_websocket_passes_through(dp_server: ServerProcess) -> None:
     messages = asyncio.run(main())
     assert any(m.get("type") == "delta" and m.get("id") == "a" for m in messages)
     assert messages[-1]["type"] == "done"
+
+
+@pytest.mark.timeout(180)
+def test_replicas_with_tensor_parallel_inside(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`-dp 2 -tp 2`: each replica runs TP=2 (its own rank process), the outputs equal one
+    server's, and SIGTERM drains all of it: exit 0, both replicas and both ranks gone."""
+    import psutil
+
+    body = {"prompt": "The tiny model says", "max_tokens": 8, "temperature": 0}
+    with kvserve(tiny_llama_dir, log_dir=tmp_path) as single:
+        expected = post_json(single, "/v1/completions", body)["choices"][0]["text"]
+    with kvserve(tiny_llama_dir, "-dp", "2", "-tp", "2", log_dir=tmp_path) as server:
+        pids = _replica_pids(server)
+        ranks = [child for pid in pids.values() for child in psutil.Process(pid).children()
+                 if "spawn_main" in " ".join(child.cmdline())]
+        assert len(pids) == 2 and len(ranks) == 2
+        for _ in range(4):  # both replicas serve (load spreads) with the same greedy text
+            assert post_json(server, "/v1/completions", body)["choices"][0]["text"] == expected
+        assert "tensor parallel size 2" in server.log()
+        assert server.stop() == 0
+    assert not any(_alive(pid) for pid in pids.values())
+    assert not any(_alive(rank.pid) for rank in ranks)
