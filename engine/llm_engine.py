@@ -134,7 +134,7 @@ class LLMEngine:
         self.scheduler = BatchQueueScheduler(
             *sizes, step_budget=self.step_budget, num_stages=args.pipeline_parallel_size) \
             if self.batch_queue else scheduler_cls(*sizes, step_budget=self.step_budget)
-        # Steps on the worker not yet applied, oldest first: two at most (pipeline_depth).
+        # Steps on the worker not yet applied, oldest first: at most pipeline_depth().
         self.in_flight: deque[InFlightStep] = deque()
         self._unsent_finished: frozenset[str] = frozenset()  # for the next step's batch
         self.input_processor = InputProcessor(
