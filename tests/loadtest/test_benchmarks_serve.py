@@ -131,11 +131,18 @@ def test_prefix_cache_quick_run_on_a_tiny_model(tiny_llama_dir: Path, tmp_path: 
 @pytest.mark.slow
 def test_chunked_prefill_quick_run_on_a_tiny_model(tiny_llama_dir: Path, tmp_path: Path
                                                    ) -> None:
-    ctx = _ctx(tmp_path, tiny_llama_dir, long_prompt_len=600, budgets=[1024, 32],
-               max_model_len=1024, decoders=2, decoder_prompt_len=8, baseline_tokens=3)
+    ctx = _ctx(tmp_path, tiny_llama_dir, long_prompt_len=600,
+               budgets=[1024, 32, chunked_prefill.ADAPTIVE], max_model_len=1024, decoders=2,
+               decoder_prompt_len=8, baseline_tokens=3)
     result = chunked_prefill.run(ctx)
     assert {"target", "met", "summary"} <= set(result) and result["met"] in (True, False)
-    assert [r["budget"] for r in result["rows"]] == [32, 1024]
+    assert [r["budget"] for r in result["rows"]] == [32, 1024, chunked_prefill.ADAPTIVE]
+    surface = result["cost_surface"]  # measured for the adaptive row
+    assert surface["decode_ms"] > 0
+    assert sorted({(r["depth"], r["chunk"]) for r in surface["rows"]}) == [
+        (d, c) for d in (150, 300, 500) for c in (4, 16, 64)]
+    assert all(r["step_ms"] > 0 for r in surface["rows"])
+    assert "Step cost of one chunk beside the decodes" in chunked_prefill.render(result)
     for row in result["rows"]:
         assert row["window_gaps"] > 0 and row["baseline_gaps"] > 0
         assert row["ttft_ms"] > 0 and row["itl_max_ms"] >= row["itl_p99_ms"] > 0
