@@ -126,9 +126,8 @@ class LLMEngine:
         self.worker.attach(runner)
         self.kv = KVCacheManager(self.kv_cache_plan.num_blocks, args.block_size,
                                  args.enable_prefix_caching)
-        # Pipeline stages on their own ranks (TP 1): a batch per stage in flight at once.
-        self.batch_queue = args.async_scheduling and args.pipeline_parallel_size > 1 and \
-            args.tensor_parallel_size == 1
+        # Pipeline stages on their own ranks: a batch per stage in flight at once.
+        self.batch_queue = args.async_scheduling and args.pipeline_parallel_size > 1
         scheduler_cls = AsyncScheduler if args.async_scheduling else Scheduler
         sizes = (self.kv, args.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
         self.scheduler = BatchQueueScheduler(
@@ -342,6 +341,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the worker and grammar-compile threads (and the parallel ranks)."""
+        if self.batch_queue:  # launched steps the stages still work on: finish, drop them
+            while self.in_flight:
+                step = self.in_flight.popleft()
+                try:
+                    self.result_of(step).result()
+                except Exception:  # a rank died: shutdown kills the rest below
+                    break
         self.worker.shutdown()
         self.structured_output.shutdown()
         if self.ranks is not None:

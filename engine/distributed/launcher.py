@@ -8,8 +8,8 @@ engine/distributed/rank_worker.py. The rendezvous store listens on a port the OS
 group lives under a name unique to this engine, so engines and test runs on one host never meet.
 A rank that exits is noticed before the next step is sent (and a step in flight fails at once:
 its peers' sockets close, and the failure runs through the stages); the engine then refuses
-further steps with RankDiedError. Under pipeline parallelism (TP 1) the engine keeps a batch per
-stage in flight (the batch queue: engine/core/async_scheduler.py, ModelRunner.launch/finish).
+further steps with RankDiedError. Under pipeline parallelism the engine keeps a batch per stage
+in flight (the batch queue: engine/core/async_scheduler.py, ModelRunner.launch/finish).
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ from engine.distributed.parallel_state import (
     rank_layout,
     threads_per_rank,
 )
-from engine.distributed.rank_worker import RankSpec, StepBroadcaster, run_rank
+from engine.distributed.rank_worker import (
+    RankSpec,
+    StepBroadcaster,
+    deferred_last_stage,
+    run_rank,
+)
 from engine.distributed.stage_link import GroupLink, stage_of_rank
 from engine.models.parallel_layers import TensorParallelLlama
 from engine.models.pipeline_layers import (
@@ -68,6 +73,7 @@ class ParallelLauncher:
                              "supported yet; use one or the other (a GGUF file loads "
                              "dequantized under tensor or pipeline parallelism)")
         self.tensor_parallel_size, self.pipeline_parallel_size = tp, pp
+        self.deferred = deferred_last_stage(args)  # TP x PP under the batch queue
         self.size = tp * pp
         self.kind = " x ".join(
             [name for name, n in (("tensor-parallel", tp), ("pipeline-parallel", pp)) if n > 1])
@@ -102,7 +108,7 @@ class ParallelLauncher:
         try:
             self._wait_for("joined")
             self.groups: ParallelGroups = create_groups(self.store, self.prefix, 0, tp, pp,
-                                                        device)
+                                                        device, self.deferred)
         except BaseException:
             self.shutdown()
             raise
@@ -169,7 +175,7 @@ class ParallelLauncher:
         except BaseException:
             self.shutdown()
             raise
-        driver = StepBroadcaster(self.groups, self.check_alive)
+        driver = StepBroadcaster(self.groups, self.check_alive, self.deferred)
         if self.stage is not None:
             assert isinstance(model, PipelineStageLlama)
             model.link = GroupLink(self.groups, self.stage, self.dtype)
@@ -186,7 +192,7 @@ class ParallelLauncher:
         told = False
         if groups is not None and self.dead_rank() is None:
             try:
-                StepBroadcaster(groups, self.check_alive).send_shutdown()
+                StepBroadcaster(groups, self.check_alive, self.deferred).send_shutdown()
                 told = True
             except Exception:  # a rank died meanwhile: kill below
                 logger.warning("%s shutdown: a rank did not take SHUTDOWN", self.kind)

@@ -106,6 +106,9 @@ class ParallelGroups:
     world_size: int = 1
     # The stage's shared-memory all-reduce and all-gather (CPU, one host); None: gloo only.
     shm: ShmCollectives | None = None
+    # TP x PP with the batch queue: the last stage's tensor ranks' own control group (gloo),
+    # which rank 0 drives in step with its finishes (rank_worker.py); None elsewhere.
+    last_stage_group: Any = None
 
     @property
     def is_driver(self) -> bool:
@@ -133,6 +136,12 @@ class ParallelGroups:
         self.broadcast_async(x, idle).wait()
         return x
 
+    def broadcast_last_stage(self, x: torch.Tensor, idle: bool = False) -> torch.Tensor:
+        """World rank 0's `x` to the last stage's tensor ranks only (in place)."""
+        group = self.last_stage_group if x.device.type == "cpu" else self.device_group
+        group.broadcast(x, 0, IDLE_TIMEOUT if idle else COLLECTIVE_TIMEOUT).wait()
+        return x
+
     def broadcast_async(self, x: torch.Tensor, idle: bool = False) -> Any:
         """Starts `broadcast`; returns its work (`x` must live until the work completes)."""
         group = self.cpu_group if x.device.type == "cpu" else self.world_group
@@ -158,9 +167,11 @@ def _device_group(store: dist.Store, name: str, rank: int, size: int,
 
 
 def create_groups(store: dist.Store, prefix: str, world_rank: int, tensor_parallel_size: int,
-                  pipeline_parallel_size: int, device: torch.device) -> ParallelGroups:
+                  pipeline_parallel_size: int, device: torch.device,
+                  deferred_last_stage: bool = False) -> ParallelGroups:
     """Builds this rank's groups under `prefix` (unique per engine) on the shared store: the
-    world's control and device groups, and its stage's tensor-parallel group."""
+    world's control and device groups, its stage's tensor-parallel group, and with
+    `deferred_last_stage` (TP x PP under the batch queue) the last stage's control group."""
     world_size = tensor_parallel_size * pipeline_parallel_size
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/cpu/", store), world_rank,
                                       world_size, COLLECTIVE_TIMEOUT)
@@ -176,5 +187,8 @@ def create_groups(store: dist.Store, prefix: str, world_rank: int, tensor_parall
     shm = create_shm_collectives(store, prefix, pp_index, tp_rank, tensor_parallel_size,
                                  COLLECTIVE_TIMEOUT.total_seconds()) \
         if device.type == "cpu" else None
+    last_stage = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/last/", store), tp_rank,
+                                       tensor_parallel_size, COLLECTIVE_TIMEOUT) \
+        if deferred_last_stage and pp_index == 0 else None
     return ParallelGroups(tp_rank, tensor_parallel_size, device, tp_group, cpu_group,
-                          world_group, world_rank, world_size, shm)
+                          world_group, world_rank, world_size, shm, last_stage)

@@ -37,7 +37,7 @@ from engine.models.pipeline_layers import PipelineStageLlama, StageSpec
 from kernels.metadata import AttentionMetadata
 
 HEADER_LEN = 8
-CMD_FORWARD, CMD_LOGITS, CMD_SHUTDOWN = 1, 2, 3
+CMD_FORWARD, CMD_LOGITS, CMD_SHUTDOWN, CMD_FINISH = 1, 2, 3, 4
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -60,9 +60,14 @@ class RankSpec:
 class StepBroadcaster(StepSender):
     """Rank 0's side: checks the other ranks are alive, then sends each model call."""
 
-    def __init__(self, groups: ParallelGroups, check_alive: Callable[[], None]) -> None:
+    def __init__(self, groups: ParallelGroups, check_alive: Callable[[], None],
+                 deferred: bool = False) -> None:
         self.groups = groups
         self.check_alive = check_alive
+        # TP x PP under the batch queue: the last stage's tensor ranks run a launched step
+        # only when rank 0 finishes it (FINISH on their own group), and take the logits rows
+        # there too; the world group carries only the launches.
+        self.deferred = deferred
         # Broadcasts sent without waiting (the batch queue's launches) and their tensors, which
         # must outlive them; dropped once complete.
         self._unsettled: deque[tuple[Any, torch.Tensor]] = deque()
@@ -77,9 +82,7 @@ class StepBroadcaster(StepSender):
 
     def _header(self, *values: int, wait: bool = True) -> None:
         self.check_alive()
-        header = torch.zeros(HEADER_LEN, dtype=torch.long)
-        header[:len(values)] = torch.tensor(values, dtype=torch.long)
-        self._broadcast(header, True, wait)
+        self._broadcast(_command(*values), True, wait)
 
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -96,16 +99,40 @@ class StepBroadcaster(StepSender):
                              meta.block_tables.long().flatten()])
         self._broadcast(payload, False, wait)
 
+    def send_finish(self) -> None:
+        """Deferred mode: the last stage's tensor ranks run the oldest launched step now."""
+        self.check_alive()
+        self.groups.broadcast_last_stage(_command(CMD_FINISH))
+
     def send_logits(self, hidden: torch.Tensor) -> None:
         """Header: rows, hidden size, dtype; payload: the rows."""
-        self._header(CMD_LOGITS, hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype))
+        values = (CMD_LOGITS, hidden.shape[0], hidden.shape[1], _DTYPES.index(hidden.dtype))
+        if self.deferred:
+            self.check_alive()
+            self.groups.broadcast_last_stage(_command(*values))
+            self.groups.broadcast_last_stage(hidden.contiguous())
+            return
+        self._header(*values)
         self.groups.broadcast(hidden.contiguous())
 
     def send_shutdown(self) -> None:
         """Tells the other ranks to leave their loop."""
-        header = torch.zeros(HEADER_LEN, dtype=torch.long)
-        header[0] = CMD_SHUTDOWN
-        self.groups.broadcast(header)
+        if self.deferred:
+            self.groups.broadcast_last_stage(_command(CMD_SHUTDOWN))
+        self.groups.broadcast(_command(CMD_SHUTDOWN))
+
+
+def _command(*values: int) -> torch.Tensor:
+    header = torch.zeros(HEADER_LEN, dtype=torch.long)
+    header[:len(values)] = torch.tensor(values, dtype=torch.long)
+    return header
+
+
+def deferred_last_stage(args: EngineArgs) -> bool:
+    """Whether the engine runs TP x PP under the batch queue (the last stage's tensor ranks
+    then follow rank 0's finishes; see StepBroadcaster.deferred)."""
+    return bool(args.async_scheduling and args.pipeline_parallel_size > 1
+                and args.tensor_parallel_size > 1)
 
 
 def unpack_forward(header: list[int], payload: torch.Tensor
@@ -130,6 +157,16 @@ def forward_payload_len(header: list[int]) -> int:
     return 3 * num_tokens + 2 * num_seqs + 1 + num_seqs * max_blocks
 
 
+def _run_forward(runner: Any, groups: ParallelGroups, header: list[int]) -> None:
+    """A FORWARD: its payload from the world group, then this rank's part of it."""
+    if not runner.kv_caches or runner.kv_caches[0][0].shape[0] != header[4]:
+        runner.allocate_kv_cache(header[4])
+    payload = groups.broadcast(torch.empty(forward_payload_len(header), dtype=torch.long,
+                                           device=groups.device))
+    input_ids, positions, meta = unpack_forward(header, payload)
+    runner.model(input_ids, positions, runner.kv_caches, meta)
+
+
 def serve_steps(runner: object, groups: ParallelGroups) -> None:
     """Ranks 1..N-1: run rank 0's calls until SHUTDOWN (or until a collective, a send or a
     receive fails: a dead rank closes its sockets, and this one exits in turn). The logits
@@ -137,6 +174,9 @@ def serve_steps(runner: object, groups: ParallelGroups) -> None:
     from engine.worker.model_runner import ModelRunner
 
     assert isinstance(runner, ModelRunner)
+    if groups.last_stage_group is not None:
+        serve_last_stage(runner, groups)
+        return
     model, device = runner.model, groups.device
     holds_lm_head = not isinstance(model, PipelineStageLlama) or model.stage.is_last
     while True:
@@ -146,12 +186,7 @@ def serve_steps(runner: object, groups: ParallelGroups) -> None:
             return
         with torch.inference_mode():
             if header[0] == CMD_FORWARD:
-                if not runner.kv_caches or runner.kv_caches[0][0].shape[0] != header[4]:
-                    runner.allocate_kv_cache(header[4])
-                payload = groups.broadcast(torch.empty(forward_payload_len(header),
-                                                       dtype=torch.long, device=device))
-                input_ids, positions, meta = unpack_forward(header, payload)
-                model(input_ids, positions, runner.kv_caches, meta)
+                _run_forward(runner, groups, header)
             elif header[0] == CMD_LOGITS:
                 hidden = torch.empty(header[1], header[2], dtype=_DTYPES[header[3]],
                                      device=device)
@@ -161,6 +196,44 @@ def serve_steps(runner: object, groups: ParallelGroups) -> None:
             else:
                 raise RuntimeError(f"rank {groups.world_rank} got an unknown command "
                                    f"{header[0]}")
+
+
+def serve_last_stage(runner: Any, groups: ParallelGroups) -> None:
+    """A tensor rank of the last stage under TP x PP's batch queue: it follows rank 0 on their
+    own group. FINISH: take the oldest launch from the world group (sent before rank 0 finishes
+    it) and run it, in step with rank 0's layers; LOGITS: the rows, then this rank's part of
+    the logits. Launches are read only when finished, so rank 0's later launches never wait
+    on this rank."""
+    device = groups.device
+    while True:
+        header = groups.broadcast_last_stage(torch.zeros(HEADER_LEN, dtype=torch.long),
+                                             idle=True).tolist()
+        with torch.inference_mode():
+            if header[0] == CMD_SHUTDOWN:
+                _skip_launches(groups)
+                return
+            if header[0] == CMD_FINISH:
+                launch = groups.broadcast(torch.zeros(HEADER_LEN, dtype=torch.long)).tolist()
+                if launch[0] != CMD_FORWARD:
+                    raise RuntimeError(f"rank {groups.world_rank}: FINISH without a launch")
+                _run_forward(runner, groups, launch)
+            elif header[0] == CMD_LOGITS:
+                hidden = torch.empty(header[1], header[2], dtype=_DTYPES[header[3]],
+                                     device=device)
+                runner.model.compute_logits(groups.broadcast_last_stage(hidden))
+            else:
+                raise RuntimeError(f"rank {groups.world_rank} got an unknown command "
+                                   f"{header[0]}")
+
+
+def _skip_launches(groups: ParallelGroups) -> None:
+    """At SHUTDOWN: reads the world group up to its SHUTDOWN, dropping unfinished launches."""
+    while True:
+        header = groups.broadcast(torch.zeros(HEADER_LEN, dtype=torch.long)).tolist()
+        if header[0] != CMD_FORWARD:
+            return
+        groups.broadcast(torch.empty(forward_payload_len(header), dtype=torch.long,
+                                     device=groups.device))
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -193,7 +266,8 @@ def run_rank(spec: RankSpec) -> None:
             torch.cuda.set_device(device)
         torch.manual_seed(spec.args.seed)
         store.set(f"{spec.prefix}/joined/{spec.rank}", "1")
-        groups = create_groups(store, spec.prefix, spec.rank, tp, pp, device)
+        groups = create_groups(store, spec.prefix, spec.rank, tp, pp, device,
+                               deferred_last_stage(spec.args))
         source = resolve_model(spec.args.model)
         pp_index = rank_layout(spec.rank, tp)[0]
         stage = None if pp == 1 else StageSpec.of(source.config, stage_of_rank(pp_index, pp), pp)

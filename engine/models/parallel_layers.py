@@ -172,6 +172,9 @@ class StepSender:
     """What rank 0's model calls to send a step: implemented in engine/distributed/rank_worker.py
     (here only its shape, so the model does not import the process layer)."""
 
+    # TP x PP under the batch queue: the last stage's tensor ranks run a step at its finish.
+    deferred = False
+
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                      meta: AttentionMetadata, wait: bool = True) -> None:
@@ -181,4 +184,8 @@ class StepSender:
 
     def send_logits(self, hidden: torch.Tensor) -> None:
         """Sends the rows to compute logits for to the other ranks."""
+        raise NotImplementedError
+
+    def send_finish(self) -> None:
+        """Batch queue with TP x PP: the last stage's tensor ranks run the oldest launch."""
         raise NotImplementedError

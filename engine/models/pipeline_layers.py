@@ -160,8 +160,13 @@ class PipelineStageLlama(LlamaForCausalLM):
                 sent: bool = False) -> torch.Tensor:
         """This stage's layers over the step: the final hidden states on the last stage; on the
         others the states sent on (returned too). `sent`: rank 0 launched the step already."""
-        if self.driver is not None and not sent:
-            self.driver.send_forward(input_ids, positions, kv_caches, meta)
+        driver = self.driver
+        if driver is not None:
+            if not sent:  # deferred: the last stage's tensor ranks read it at the finish
+                driver.send_forward(input_ids, positions, kv_caches, meta,
+                                    wait=not driver.deferred)
+            if driver.deferred:
+                driver.send_finish()  # this stage's tensor ranks join this step now
         if self.stage.is_first:
             x = self.embed_tokens(input_ids)
         else:

@@ -237,15 +237,13 @@ def test_serve_pp2_completes_and_reaps(tiny_llama_dir: Path, tmp_path: Path) -> 
     assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
 
 
-def test_batch_queue_keeps_one_batch_per_stage_in_flight(tiny_llama_dir: Path,
-                                                         pp_llama: tuple[LLM, list[str]]) -> None:
-    """The batch queue: rank 0 launches a second batch before it finishes the first (the worker
-    thread runs launch, launch, finish, launch, finish, ...), the batches in flight never share
-    a request whose token is pending, each takes about half the live requests, and the tokens
-    still equal one process."""
+def assert_batch_queue(model: Path, llm: LLM) -> None:
+    """The batch queue of `llm` (PP=2, alone or with TP): rank 0 launches a second batch before
+    it finishes the first (the worker thread runs launch, launch, finish, launch, finish, ...),
+    the batches in flight never share a request whose token is pending, each takes at most
+    half the live requests, and the tokens still equal one process."""
     from engine.core.async_scheduler import BatchQueueScheduler
 
-    llm = pp_llama[0]
     engine = llm.engine
     assert engine.batch_queue and isinstance(engine.scheduler, BatchQueueScheduler)
     assert engine.pipeline_depth() == 2
@@ -274,7 +272,7 @@ def test_batch_queue_keeps_one_batch_per_stage_in_flight(tiny_llama_dir: Path,
     # 8 two-token prompts fit one step's 16-token budget: only the cap splits them.
     prompts = [{"prompt_token_ids": [5 + i, 17 + i]} for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    single = LLM(str(tiny_llama_dir), **ENGINE_KWARGS)
+    single = LLM(str(model), **ENGINE_KWARGS)
     try:
         expected = [o.outputs[0].token_ids for o in single.generate(prompts, params,
                                                                     use_tqdm=False)]
@@ -288,3 +286,8 @@ def test_batch_queue_keeps_one_batch_per_stage_in_flight(tiny_llama_dir: Path,
     assert got == expected
     assert "".join(calls).startswith("LLFLF")
     assert max(sizes) <= 4  # 8 live requests over 2 stages
+
+
+def test_batch_queue_keeps_one_batch_per_stage_in_flight(tiny_llama_dir: Path,
+                                                         pp_llama: tuple[LLM, list[str]]) -> None:
+    assert_batch_queue(tiny_llama_dir, pp_llama[0])

@@ -88,6 +88,18 @@ def test_tp2_pp2_matches_one_process_qwen2(tiny_qwen2_dir: Path) -> None:
         llm.engine.shutdown()
 
 
+def test_batch_queue_with_tensor_parallel_stages(tiny_llama_dir: Path,
+                                                 tp_pp_llama: tuple[LLM, list[str]]) -> None:
+    """TP x PP keeps a batch per stage in flight too: the last stage's second tensor rank runs
+    each step when rank 0 finishes it (its own control group), not when it is launched."""
+    from tests.engine.test_pipeline_parallel import assert_batch_queue
+
+    llm = tp_pp_llama[0]
+    assert llm.engine.ranks is not None and llm.engine.ranks.deferred
+    assert llm.engine.ranks.groups.last_stage_group is not None
+    assert_batch_queue(tiny_llama_dir, llm)
+
+
 def test_layout_and_capacity_lines(tp_pp_llama: tuple[LLM, list[str]]) -> None:
     """Rank 0 is tensor rank 0 of the last stage; three spawned ranks; each rank's KV cache
     holds 1 KV head of 1 layer (a quarter of the bytes per token), for the engine's tokens."""
