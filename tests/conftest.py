@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,12 +14,48 @@ import torch
 from gguf import GGUFReader
 
 from engine import cpu_features
+from engine.llm_engine import LLMEngine
 from engine.model_loader.gguf.weights import default_model_path
 from tests.support.server_process import ServerProcess, kvserve
 from tests.support.tiny_models import build_tiny_model
 
 # Tests never reach a model hub: everything they load is built here or shipped in a package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Every engine the tests build, so the ones a test leaves running are stopped after it.
+_ENGINES: list[weakref.ref[LLMEngine]] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    build = LLMEngine.__init__
+
+    def tracked(self: LLMEngine, *args: object, **kwargs: object) -> None:
+        build(self, *args, **kwargs)  # type: ignore[arg-type]
+        _ENGINES.append(weakref.ref(self))
+
+    LLMEngine.__init__ = tracked  # type: ignore[method-assign]
+
+
+def _live_engines() -> list[LLMEngine]:
+    return [e for e in (ref() for ref in _ENGINES) if e is not None]
+
+
+@pytest.fixture(autouse=True)
+def stop_engines_the_test_left_running() -> Iterator[None]:
+    """Shuts down the engines a test built and did not stop (its worker thread, rank processes
+    and KV cache would otherwise live on for the rest of the session: a 4 GiB default CPU KV
+    cache each, until the suite's later engines find too little free memory). Engines of
+    module- or session-scoped fixtures existed before the test and are left alone."""
+    before = {id(e) for e in _live_engines()}
+    built = len(_ENGINES)
+    yield
+    if len(_ENGINES) == built:
+        return  # the test built no engine
+    for engine in _live_engines():
+        if id(engine) not in before:
+            engine.shutdown()
+    _ENGINES[:] = [ref for ref in _ENGINES if ref() is not None]
+    gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)
