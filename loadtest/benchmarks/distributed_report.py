@@ -47,7 +47,8 @@ def render_dp(dp: dict[str, Any]) -> str:
         f"warm-up requests. One engine: {dp['threads']} threads and a {cfg['kv_gib']:g} GiB KV "
         f"cache; DP=2: `--num-threads {dp['threads']}` split into {dp['replica_threads']} "
         f"thread(s) per replica, {cfg['kv_gib'] / 2:g} GiB each, behind the front (which "
-        "routes by load with prefix affinity). Server and client share the machine's cores.",
+        "routes by load with prefix affinity). Server and client share the machine's cores."
+        + (f" Measured {dp['date']}, in a run of this part alone." if dp.get("date") else ""),
         format_table(("server", "load", "ok/failed", "output tok/s", "TTFT p50 (ms)",
                       "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "server CPU (cores)",
                       "others' CPU (cores)"), rows),
