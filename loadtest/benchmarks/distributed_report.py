@@ -48,7 +48,7 @@ def render_dp(dp: dict[str, Any]) -> str:
         f"cache; DP=2: `--num-threads {dp['threads']}` split into {dp['replica_threads']} "
         f"thread(s) per replica, {cfg['kv_gib'] / 2:g} GiB each, behind the front (which "
         "routes by load with prefix affinity). Server and client share the machine's cores."
-        + (f" Measured {dp['date']}, in a run of this part alone." if dp.get("date") else ""),
+        + _when(dp),
         format_table(("server", "load", "ok/failed", "output tok/s", "TTFT p50 (ms)",
                       "TTFT p99 (ms)", "ITL p50 (ms)", "ITL p99 (ms)", "server CPU (cores)",
                       "others' CPU (cores)"), rows),
@@ -88,7 +88,7 @@ def render_tp(tp: dict[str, Any]) -> str:
         "processes, 2 threads in all; rank 0's worker thread is set to 1 here, since the "
         "engine leaves it at --num-threads, the total of all ranks); TP=1 runs with 1 thread "
         "(the same per-rank compute) and with 2 (the same cores)."
-        + (f" Measured {tp['date']}, in a run of this part alone." if tp.get("date") else ""),
+        + _when(tp),
         format_table(("TP", "threads per rank", "collectives", "sequences", "step (ms)",
                       "comm (ms)", "comm share", "collectives/step", "KiB moved/step",
                       "tokens/s"), rows),
@@ -167,7 +167,7 @@ def render_routing(rt: dict[str, Any]) -> str:
         "per replica show how the work split (a cache-aware router may pile documents onto "
         "one replica). Our front keys a prompt's affinity on its prefixes of 64, 128, 256, ... "
         "characters and follows the longest one an earlier prompt had (server/dp_routing.py)."
-        + (f" Measured {rt['date']}, in a run of this part alone." if rt.get("date") else ""),
+        + _when(rt),
         "```\n" + "\n".join(rt["commands"]) + "\n```"])
 
 
@@ -221,7 +221,7 @@ def render_pp(pp: dict[str, Any]) -> str:
         return _failed(title, pp)
     cfg = pp["config"]
     rows = [(r["setup"], r["tok_s"]) for r in pp["rows"]]
-    when = f" Measured {pp['date']}, in a run of this part alone." if pp.get("date") else ""
+    when = _when(pp)
     busy = [r["setup"] for r in pp["rows"] if (r.get("other_cores") or 0.0) > QUIET_CORES]
     return "\n\n".join([
         f"**{title}.** The TP part's SmolLM2-like Llama (30 layers, random weights), 15 layers "
@@ -237,6 +237,11 @@ def render_pp(pp: dict[str, Any]) -> str:
         "the same cores, so it is not expected to beat one process; the queue's gain is the "
         "idle stage it puts to work, which on GPUs is a whole device per stage."
         + (f" WARNING: other processes were busy during {'; '.join(busy)}." if busy else "")])
+
+
+def _when(part: dict[str, Any]) -> str:
+    """" Measured DATE, in a run of this part alone." for a part rerun on its own, else ""."""
+    return f" Measured {part['date']}, in a run of this part alone." if part.get("date") else ""
 
 
 def render_all(result: dict[str, Any]) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import shutil
 import signal
@@ -26,38 +25,21 @@ from engine.async_engine import AsyncEngine
 from engine.core.scheduler_output import SchedulerOutput
 from engine.llm import LLM
 from engine.models.pipeline_layers import split_layers
-from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from tests.engine.test_tensor_parallel import (
     ENGINE_KWARGS,
     KV_BYTES,
     _assert_same,
     _ending,
-    _Lines,
     _prompts,
     _run,
+    logged_llm,
+    one_process_reference,
 )
 
 
 def _pp_llm(model: Path, size: int = 2, **kwargs: object) -> tuple[LLM, list[str]]:
-    handler, log = _Lines(), logging.getLogger("kvserve")
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        llm = LLM(str(model), pipeline_parallel_size=size, **{**ENGINE_KWARGS, **kwargs})
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    return llm, handler.lines
-
-
-def _reference(model: Path) -> list[RequestOutput]:
-    single = LLM(str(model), **ENGINE_KWARGS)
-    try:
-        return _run(single)
-    finally:
-        single.engine.shutdown()
+    return logged_llm(model, pipeline_parallel_size=size, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +79,7 @@ def test_pp2_matches_one_process_llama(tiny_llama_dir: Path,
                                        pp_llama: tuple[LLM, list[str]]) -> None:
     """Greedy ids and logprobs of PP=2 equal one process, through chunked prefill (prompts of
     30-60 tokens in 16-token steps) and prefix-cache hits."""
-    reference = _reference(tiny_llama_dir)
+    reference = one_process_reference(tiny_llama_dir)
     llm = pp_llama[0]
     hits_before = llm.engine.stats().prefix_cache_hits
     _assert_same(reference, _run(llm))
@@ -106,7 +88,7 @@ def test_pp2_matches_one_process_llama(tiny_llama_dir: Path,
 
 def test_pp2_matches_one_process_qwen2(tiny_qwen2_dir: Path) -> None:
     """Qwen2: q/k/v bias and an untied LM head, which only the last stage holds."""
-    reference = _reference(tiny_qwen2_dir)
+    reference = one_process_reference(tiny_qwen2_dir)
     llm, _ = _pp_llm(tiny_qwen2_dir)
     try:
         _assert_same(reference, _run(llm))
@@ -118,7 +100,7 @@ def test_pp2_matches_one_process_qwen2(tiny_qwen2_dir: Path) -> None:
 def test_pp3_matches_one_process(tiny_llama3_layers: Path) -> None:
     """Three stages of one layer each (a middle stage that neither embeds nor samples), with
     async scheduling off (one step at a time) as well as on."""
-    reference = _reference(tiny_llama3_layers)
+    reference = one_process_reference(tiny_llama3_layers)
     llm, lines = _pp_llm(tiny_llama3_layers, size=3, async_scheduling=False)
     try:
         _assert_same(reference, _run(llm))

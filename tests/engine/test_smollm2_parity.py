@@ -49,6 +49,18 @@ def reference(smol_prompts: list[list[int]]) -> list[GreedyTrace]:
                           gguf_file=path.name)
 
 
+def tokens_and_top5(outs: list[Any]) -> list[tuple[list[int], list[list[int]]]]:
+    """Each output's greedy tokens and, per position, its 5 most likely token ids."""
+    ours = []
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        top5 = [sorted(entry, key=lambda t: entry[t].logprob, reverse=True)[:5]
+                for entry in completion.logprobs]
+        ours.append((completion.token_ids, top5))
+    return ours
+
+
 def count_divergences(ours: list[tuple[list[int], list[list[int]]]],
                       theirs: list[GreedyTrace]) -> int:
     """Asserts the near-tie rule position by position; returns how many sequences diverged."""
@@ -73,14 +85,7 @@ def test_smollm2_matches_transformers(config_name: str, smol_prompts: list[list[
     outs = llm.generate([{"prompt_token_ids": p} for p in smol_prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5),
                         use_tqdm=False)
-    ours = []
-    for out in outs:
-        completion = out.outputs[0]
-        assert completion.logprobs is not None
-        top5 = [sorted(entry, key=lambda t: entry[t].logprob, reverse=True)[:5]
-                for entry in completion.logprobs]
-        ours.append((completion.token_ids, top5))
-    assert count_divergences(ours, reference) <= len(smol_prompts) // 6
+    assert count_divergences(tokens_and_top5(outs), reference) <= len(smol_prompts) // 6
     stats = llm.engine.kv.stats
     if config_name == "preemption":
         assert llm.engine.scheduler.stats.num_preemptions > 0

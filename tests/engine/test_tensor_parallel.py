@@ -56,17 +56,32 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _tp_llm(model: Path, size: int = 2, **kwargs: object) -> tuple[LLM, list[str]]:
+def logged_llm(model: Path, **kwargs: object) -> tuple[LLM, list[str]]:
+    """An LLM with ENGINE_KWARGS (overridden by `kwargs`) and the kvserve log lines of its
+    startup."""
     handler, log = _Lines(), logging.getLogger("kvserve")
     level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        llm = LLM(str(model), tensor_parallel_size=size, **{**ENGINE_KWARGS, **kwargs})
+        llm = LLM(str(model), **{**ENGINE_KWARGS, **kwargs})
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
     return llm, handler.lines
+
+
+def one_process_reference(model: Path) -> list[RequestOutput]:
+    """`_run` on one process with ENGINE_KWARGS, the engine stopped after."""
+    single = LLM(str(model), **ENGINE_KWARGS)
+    try:
+        return _run(single)
+    finally:
+        single.engine.shutdown()
+
+
+def _tp_llm(model: Path, size: int = 2, **kwargs: object) -> tuple[LLM, list[str]]:
+    return logged_llm(model, tensor_parallel_size=size, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,12 @@ from engine.model_loader.gguf.weights import default_model_path
 from engine.sampling_params import SamplingParams
 from tests.engine.test_parity import MAX_TOKENS, NUM_PROMPTS, greedy, preemption_budget
 from tests.engine.test_tensor_parallel import (
-    ENGINE_KWARGS,
     KV_BYTES,
     _assert_same,
-    _Lines,
     _prompts,
     _run,
+    logged_llm,
+    one_process_reference,
 )
 from tests.support.greedy import GreedyTrace, hf_greedy, hf_topk_greedy
 from tests.support.tiny_models import random_prompts
@@ -37,26 +37,7 @@ TP_PP = {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}
 
 
 def _llm(model: Path, **kwargs: object) -> tuple[LLM, list[str]]:
-    import logging
-
-    handler, log = _Lines(), logging.getLogger("kvserve")
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        llm = LLM(str(model), **{**ENGINE_KWARGS, **TP_PP, **kwargs})
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    return llm, handler.lines
-
-
-def _reference(model: Path) -> list:
-    single = LLM(str(model), **ENGINE_KWARGS)
-    try:
-        return _run(single)
-    finally:
-        single.engine.shutdown()
+    return logged_llm(model, **{**TP_PP, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +51,7 @@ def tp_pp_llama(tiny_llama_dir: Path) -> Iterator[tuple[LLM, list[str]]]:
 def test_tp2_pp2_matches_one_process_llama(tiny_llama_dir: Path,
                                            tp_pp_llama: tuple[LLM, list[str]]) -> None:
     """Greedy ids and logprobs equal one process through chunked prefill and prefix hits."""
-    reference = _reference(tiny_llama_dir)
+    reference = one_process_reference(tiny_llama_dir)
     llm = tp_pp_llama[0]
     hits_before = llm.engine.stats().prefix_cache_hits
     _assert_same(reference, _run(llm))
@@ -80,7 +61,7 @@ def test_tp2_pp2_matches_one_process_llama(tiny_llama_dir: Path,
 def test_tp2_pp2_matches_one_process_qwen2(tiny_qwen2_dir: Path) -> None:
     """Qwen2: q/k/v bias, an untied LM head split over the last stage's two tensor ranks, and
     its single KV head replicated on both tensor ranks of each stage."""
-    reference = _reference(tiny_qwen2_dir)
+    reference = one_process_reference(tiny_qwen2_dir)
     llm, _ = _llm(tiny_qwen2_dir)
     try:
         _assert_same(reference, _run(llm))
@@ -187,7 +168,7 @@ def test_smollm2_tp3_matches_transformers() -> None:
     dequantized: greedy tokens against transformers on the same file, where a sequence may
     leave the reference only at a near-tie (each side's token in the other's top 5)."""
     from engine.model_loader.gguf.tokenizer import load_gguf_tokenizer
-    from tests.engine.test_smollm2_parity import SHARED, count_divergences
+    from tests.engine.test_smollm2_parity import SHARED, count_divergences, tokens_and_top5
 
     path = default_model_path()
     tok = load_gguf_tokenizer(path)
@@ -203,14 +184,7 @@ def test_smollm2_tp3_matches_transformers() -> None:
                             use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    ours = []
-    for out in outs:
-        completion = out.outputs[0]
-        assert completion.logprobs is not None
-        top5 = [sorted(entry, key=lambda t: entry[t].logprob, reverse=True)[:5]
-                for entry in completion.logprobs]
-        ours.append((completion.token_ids, top5))
-    assert count_divergences(ours, reference) <= 1
+    assert count_divergences(tokens_and_top5(outs), reference) <= 1
 
 
 @pytest.mark.parametrize("model_name,size", [("tiny_llama_dir", 2), ("tiny_llama_dir", 4),
