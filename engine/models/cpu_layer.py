@@ -50,14 +50,14 @@ def linear_spec(module: nn.Module, dtype: torch.dtype) -> LinearSpec | None:
     if not isinstance(module, QuantizedLinear) or not module.fused:
         return None
     method = module.method
-    if method.plan.compute_dtype != dtype:
-        return None
     tensors = module.tensors()
-    if "layout_tiles" in tensors:
+    if "layout_tiles" in tensors:  # the tile kernels take activations of any float dtype
         kind, scales = ((INT4_TILES, tensors["scale_mins"]) if isinstance(method, Int4Method)
                         else (INT8_TILES, tensors["scales"]))
         return LinearSpec(kind, 0, (tensors["qweight"], scales, module.bias),
                           method.fused_rows_limit(tensors))
+    if method.plan.compute_dtype != dtype:
+        return None
     if isinstance(method, Int4Method) and "layout_kernel" in tensors:
         group = module.in_features // tensors["scale_zeros"].shape[0]
         return LinearSpec(INT4, group, (tensors["qweight"], tensors["scale_zeros"], module.bias),

@@ -52,10 +52,11 @@ def apply_plan(method: str, model_dtype: torch.dtype, device: torch.device) -> A
 
     Measured on SmolLM2 (README, "Weight-only quantization"): torch's fused int8/int4 CPU
     kernels are fast with 16-bit activations and 5-10x slower than a float linear with float32
-    ones. So 16-bit models run fused in their dtype; float32 models run fused with bfloat16
-    activations where the CPU has native bf16 (the output is cast back to float32), and
-    otherwise dequantize each weight to float32 before a float32 matmul. Off CPU (not tuned
-    yet) every method dequantizes.
+    ones. So 16-bit models run fused in their dtype; float32 models run fused where the CPU has
+    native bf16 (kvserve's tile kernels on the float32 activations as they are, torch's kernels
+    on bfloat16 activations, the output cast back to float32), and otherwise dequantize each
+    weight to float32 before a float32 matmul. Off CPU (not tuned yet) every method
+    dequantizes.
     """
     if device.type != "cpu":
         return ApplyPlan("dequant", model_dtype)
@@ -155,6 +156,7 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
                if isinstance(module, nn.Linear) and name != "lm_head"]
     parts = checkpoint_parts(model, checkpoint) if checkpoint is not None else {}
     fused = 0
+    compute_dtype = plan.compute_dtype
     for name, module in targets:
         tensors = None
         if checkpoint is not None:
@@ -168,11 +170,12 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
                 tensors = make_method("int4", plan, None).create_weights(module.weight.detach())
         layer = QuantizedLinear(module, linear_method, tensors)
         fused += layer.fused
+        compute_dtype = layer.activation_dtype or model_dtype
         _replace(model, name, layer)
     head_method = LM_HEAD_METHOD.get(method, "none")  # awq/gptq: as the checkpoint stores it
     _quantize_lm_head(model, head_method, plan, group_size, model_dtype)
     return QuantizationReport(method, len(parts) if checkpoint is not None else len(targets),
-                              fused, plan.compute_dtype, head_method, reason)
+                              fused, compute_dtype, head_method, reason)
 
 
 def checkpoint_parts(model: nn.Module, checkpoint: CheckpointCodes) -> dict[str, list[str]]:

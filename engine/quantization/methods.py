@@ -87,6 +87,12 @@ class LinearMethod(ABC):
               bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
         """y = x W^T + b in x's dtype; x is [rows, in], computed in the plan's dtype."""
         dtype = x.dtype
+        if fused and "layout_tiles" in tensors:
+            # kvserve's tile kernels take float32, bfloat16 or float16 activations as they are
+            # (quantizing them to int8 per block) and return their dtype: no cast either way,
+            # so a float32 model keeps float32 activations and the C++ layer can run it.
+            y = self.fused_matmul(x.contiguous(), tensors)
+            return y if bias is None else y + bias
         x = x.to(self.plan.compute_dtype)
         limit = self.fused_rows_limit(tensors)
         if fused and (limit is None or x.shape[0] <= limit):
@@ -259,6 +265,13 @@ class QuantizedLinear(nn.Module):
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if linear.bias is None else
                              linear.bias.detach().to(method.plan.compute_dtype))
+
+    @property
+    def activation_dtype(self) -> torch.dtype | None:
+        """The dtype the activations are multiplied in: None for kvserve's tile kernels, which
+        take them in the model's dtype (see LinearMethod.apply), else the plan's."""
+        return None if self.fused and "layout_tiles" in self._names \
+            else self.method.plan.compute_dtype
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The method's tensors by name."""

@@ -127,7 +127,7 @@ class ModelRunner:
                                     self.args.quantization_group_size, checkpoint=checkpoint)
             cast_float_parameters(model, self.dtype)
             how = (f"--quantization {quantization}: {report.fused_layers} of {report.layers} "
-                   f"linear layers on torch's fused {'int8' if quantization == 'int8' else 'int4'} kernel, "
+                   f"linear layers on a fused {'int8' if quantization == 'int8' else 'int4'} kernel, "
                    f"{report.layers - report.fused_layers} dequantized per call, activations "
                    f"in {str(report.compute_dtype).removeprefix('torch.')}; LM head "
                    f"{report.lm_head}")

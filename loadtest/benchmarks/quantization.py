@@ -103,7 +103,7 @@ def kernels(runner: ModelRunner) -> str:
     if not layers:
         return f"float ({str(runner.dtype).removeprefix('torch.')}, oneDNN-packed)"
     fused = sum(m.fused for m in layers)
-    dtype = str(layers[0].method.plan.compute_dtype).removeprefix("torch.")
+    dtype = str(layers[0].activation_dtype or runner.dtype).removeprefix("torch.")
     return f"{fused}/{len(layers)} fused, {dtype} activations"
 
 

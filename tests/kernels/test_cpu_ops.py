@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, cpu_features
 from engine.models.cpu_layer import DENSE, INT4, INT4_TILES, INT8, INT8_TILES, PACKED, FusedLayer
 from engine.models.llama import RMSNorm
 from engine.models.rope import RotaryEmbedding
@@ -216,22 +216,32 @@ fused_call = FusedLayer.__call__
 
 
 @pytest.mark.parametrize("chunk", [0, 21])
-@pytest.mark.parametrize("quantization, torch_layouts", [
-    ("none", False), ("int8", False), ("int4", False), ("int8", True), ("int4", True)])
+@pytest.mark.parametrize("quantization, torch_layouts, dtype", [
+    ("none", False, "bfloat16"), ("int8", False, "bfloat16"), ("int4", False, "bfloat16"),
+    ("int8", True, "bfloat16"), ("int4", True, "bfloat16"), ("int8", False, "float32"),
+    ("int4", False, "float32")])
 def test_fused_layer_equals_python_layer(tiny_llama_dir: Path, quantization: str,
-                                         torch_layouts: bool, chunk: int,
+                                         torch_layouts: bool, dtype: str, chunk: int,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """decoder_layer_ (one C++ call) and the layer's Python forward over the same ops give the
     same hidden states, for each weight format the op runs (kvserve's tiled int8/int4 where
     built with AVX512-VNNI, and torch's, forced by hiding the tiled ops), on decode rows and on
-    a mixed batch (a prefill chunk beside them)."""
+    a mixed batch (a prefill chunk beside them). A float32 model runs the tiles on its float32
+    activations (no bfloat16 round trip), so the op serves it too."""
     if torch_layouts:
         monkeypatch.setattr(tiles, "tile_ops", lambda: None)
-    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization=quantization,
+    if dtype == "float32":  # this CPU's real flags: float32 models run fused on native bf16 ones
+        flags = cpu_features.parse_cpu_flags(cpu_features.CPUINFO_PATH.read_text())
+        monkeypatch.setattr(cpu_features, "read_cpu_flags", lambda: flags)
+    llm = LLM(str(tiny_llama_dir), dtype=dtype, quantization=quantization,
               quantization_group_size=32 if quantization == "int4" else None,
               kv_cache_memory_bytes=2**20, block_size=8)
     runner, inputs = step_rows(llm, 2, chunk)
     model: Any = runner.model
+    if dtype == "float32" and "layout_tiles" not in model.layers[0].mlp.down_proj.tensors():
+        llm.engine.shutdown()
+        pytest.skip("float32 models keep the tiled layout only on CPUs with AVX512-VNNI and "
+                    "native bfloat16")
 
     def run(layer_state: str) -> torch.Tensor:
         for layer in model.layers:
