@@ -17,6 +17,7 @@
 
 #include "convert.h"
 #include "ops.h"
+#include "paged.h"
 
 namespace kvserve {
 
@@ -81,13 +82,44 @@ void add_rms_norm_(at::Tensor h, at::Tensor residual, const at::Tensor& weight, 
   });
 }
 
-// [rows, 2I] -> [rows, I]: silu(gate) * up, through ATen's own vectorised silu and mul (the
-// exact ops and roundings of the torch formulation; a scalar exp here was 6x slower).
+// [rows, 2I] -> [rows, I]: silu(gate) * up in one vectorised pass, rounded as the torch
+// formulation rounds (silu's output to the dtype, then the product). silu(g) = g / (1 + e^-g)
+// takes e^-|g| from exp_nonpositive (relative error under 4e-6): bfloat16 results equal
+// torch's (1.5M random values checked), float32 ones are within a few ulp. ATen's silu and mul_
+// here took 50 us per SmolLM2 layer at 64 rows and 5.5 us at one; this 33 and 2.7 (bfloat16).
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
               "silu_and_mul: gate_up must be [rows, 2 * intermediate]");
-  const int64_t inter = gate_up.size(1) / 2;
-  return at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  if (gate_up.scalar_type() == at::kHalf) {  // c10's scalar half conversions would not vectorise
+    return at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter));
+  }
+  const at::Tensor in = gate_up.contiguous();
+  at::Tensor out = at::empty({rows, inter}, in.options());
+  KVSERVE_FLOAT_TYPES(in.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* ip = in.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(inter, 1)),
+                     [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* g = ip + r * 2 * inter;
+        const scalar_t* u = g + inter;
+        scalar_t* o = op + r * inter;
+        _Pragma("omp simd")  // inside the dtype macro's lambda: the operator form
+        for (int64_t i = 0; i < inter; ++i) {
+          const float x = to_f(g[i]), a = std::fabs(x);
+          // e^-|x|, past exp_nonpositive's clamp at -87 as e^-(|x| - 87) e^-87
+          const float ex = exp_nonpositive(a > 87.0f ? 87.0f - a : -a) *
+                           (a > 87.0f ? 1.64581143e-38f : 1.0f);
+          // torch's x / (1 + e^-x) is -0 once e^-x overflows float
+          const float silu = x < -88.7228394f ? -0.0f
+                                               : (x >= 0.0f ? x : x * ex) / (1.0f + ex);
+          o[i] = from_f<scalar_t>(rnd<scalar_t>(silu) * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
 }
 
 // In place on x [tokens, heads, dim] (a strided view of the fused qkv rows): the half-split
@@ -111,6 +143,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
         const scalar_t* s = sp + t * s_s0;
         for (int64_t h = 0; h < heads; ++h) {
           scalar_t* v = xp + t * x_s0 + h * x_s1;
+          _Pragma("omp simd")
           for (int64_t i = 0; i < half; ++i) {
             const float a = to_f(v[i]), b2 = to_f(v[i + half]);
             const float lo = rnd<scalar_t>(a * to_f(c[i])) + rnd<scalar_t>(-b2 * to_f(s[i]));
