@@ -14,6 +14,8 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "ops.h"
@@ -72,7 +74,7 @@ void head_scores(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx
 // The weighted sum of V rows for KV head g's query heads, normalised, into the output.
 template <int C>
 void head_values(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
-                 const float* weights, const float* sums, int64_t n) {
+                 const float* weights, const float* sums, int64_t n, float* raw = nullptr) {
   constexpr int H = kHeadsPerPass<C>;
   const int64_t dim = 32 * C, h_base = g * c.group;
   for (int64_t h0 = 0; h0 < c.group; h0 += H) {
@@ -89,7 +91,12 @@ void head_values(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx
         for (int i = 0; i < H; ++i) acc[i][j] = _mm512_fmadd_ps(w[i], v, acc[i][j]);
       }
     });
-    for (int64_t i = 0; i < nh; ++i) {
+    for (int64_t i = 0; i < nh && raw != nullptr; ++i) {  // a part's unnormalised sums
+      for (int j = 0; j < 2 * C; ++j) {
+        _mm512_storeu_ps(raw + (h0 + i) * (dim + 2) + 16 * j, acc[i][j]);
+      }
+    }
+    for (int64_t i = 0; i < nh && raw == nullptr; ++i) {
       const float sum = sums[h0 + i];
       const __m512 norm = _mm512_set1_ps(sum > 0.0f ? c.v_scale / sum : 0.0f);
       c10::BFloat16* o = c.o + s * c.o_s0 + (h_base + h0 + i) * c.o_s1;
@@ -101,9 +108,94 @@ void head_values(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx
   }
 }
 
+// The least context a part of a split sequence reads.
+constexpr int64_t kMinPartKeys = 512;
+
+// Parts to split each sequence's keys into: 1 unless the batch has too few (sequence, KV
+// heads) items for the threads and a context long enough (a chat at batch 1: SmolLM2's 3 KV
+// heads on 2 threads left one thread idle for a third of each step).
+int64_t key_parts(const Call& c, int64_t num_seqs, int64_t items) {
+  const int64_t threads = at::get_num_threads();
+  if (items >= 2 * threads) return 1;
+  int64_t longest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t ctx = c.lens[s];
+    longest = std::max(longest, c.window > 0 ? std::min(ctx, c.window) : ctx);
+  }
+  int64_t parts = (4 * threads + items - 1) / items;
+  while ((items * parts) % threads != 0) ++parts;  // every thread the same number of runs
+  return std::max<int64_t>(1, std::min(parts, longest / kMinPartKeys));
+}
+
+// Flash-decoding: each item's keys in `parts` runs, each run's rows written unnormalised with
+// their max and sum, then merged per query head.
+template <int C>
+void run_split(const Call& c, int64_t num_seqs, const WorkSplit& split, int64_t parts) {
+  constexpr int64_t dim = 32 * C, stride = dim + 2;  // a partial: sums, max, sum
+  const int64_t heads = c.kv_heads * c.group;
+  std::vector<float> partials(num_seqs * heads * parts * stride);
+  at::parallel_for(0, num_seqs * split.chunks * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, sums(c.group), maxes(c.group);
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t item = work / parts, part = work % parts;
+      const int64_t s = item / split.chunks, g0 = (item % split.chunks) * split.per_chunk;
+      const int64_t g1 = std::min(c.kv_heads, g0 + split.per_chunk);
+      const int64_t ctx = c.lens[s];
+      const int64_t first = c.window > 0 ? std::max<int64_t>(0, ctx - c.window) : 0;
+      const int64_t per = ((ctx - first + parts - 1) / parts + 15) / 16 * 16;
+      const int64_t k0 = std::min(ctx, first + part * per), k1 = std::min(ctx, k0 + per);
+      scores.resize(c.group * std::max<int64_t>(k1 - k0, 1));
+      for (int64_t g = g0; g < g1; ++g) {
+        float* raw = partials.data() + ((s * heads + g * c.group) * parts + part) * stride;
+        if (k1 == k0) {  // an empty part (a short sequence): no weight in the merge
+          for (int64_t i = 0; i < c.group; ++i) raw[i * parts * stride + dim] = -INFINITY;
+          continue;
+        }
+        head_scores<C>(c, s, g, k0, k1, scores.data(), k1 - k0);
+        softmax_numerators(scores.data(), c.group, k1 - k0, sums.data(), maxes.data());
+        // head_values writes row i at raw + i * stride: spread them to their heads' partials
+        std::vector<float> rows(c.group * stride);
+        head_values<C>(c, s, g, k0, k1, scores.data(), sums.data(), k1 - k0, rows.data());
+        for (int64_t i = 0; i < c.group; ++i) {
+          float* pr = raw + i * parts * stride;
+          std::copy(rows.data() + i * stride, rows.data() + i * stride + dim, pr);
+          pr[dim] = maxes[i];
+          pr[dim + 1] = sums[i];
+        }
+      }
+    }
+  });
+  at::parallel_for(0, num_seqs * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* pr = partials.data() + row * parts * stride;
+      float mx = -INFINITY, sum = 0.0f;
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, pr[p * stride + dim]);
+      __m512 acc[2 * C];
+      for (int j = 0; j < 2 * C; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < parts && mx != -INFINITY; ++p) {
+        const float* part = pr + p * stride;
+        if (part[dim] == -INFINITY) continue;
+        const float w = exp_nonpositive(part[dim] - mx);
+        sum += w * part[dim + 1];
+        for (int j = 0; j < 2 * C; ++j) {
+          acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(part + 16 * j), acc[j]);
+        }
+      }
+      const __m512 norm = _mm512_set1_ps(sum > 0.0f ? c.v_scale / sum : 0.0f);
+      c10::BFloat16* o = c.o + (row / heads) * c.o_s0 + (row % heads) * c.o_s1;
+      for (int j = 0; j < 2 * C; ++j) {
+        const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[j], norm));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), reinterpret_cast<__m256i>(r));
+      }
+    }
+  });
+}
+
 template <int C>
 void run(const Call& c, int64_t num_seqs) {
   const WorkSplit split(num_seqs, c.kv_heads, at::get_num_threads());
+  const int64_t parts = key_parts(c, num_seqs, num_seqs * split.chunks);
+  if (parts > 1) return run_split<C>(c, num_seqs, split, parts);
   at::parallel_for(0, num_seqs * split.chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, sums(c.group);
     for (int64_t item = begin; item < end; ++item) {

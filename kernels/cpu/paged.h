@@ -55,8 +55,9 @@ struct WorkSplit {
 };
 
 // Each of `heads` rows of n scores becomes exp(score - the row's max), in place; sums[h] gets
-// row h's sum (the softmax's denominator).
-inline void softmax_numerators(float* scores, int64_t heads, int64_t n, float* sums) {
+// row h's sum (the softmax's denominator) and, given, maxes[h] that max.
+inline void softmax_numerators(float* scores, int64_t heads, int64_t n, float* sums,
+                               float* maxes = nullptr) {
   for (int64_t h = 0; h < heads; ++h) {
     float* sc = scores + h * n;
     float m = -INFINITY;
@@ -70,6 +71,7 @@ inline void softmax_numerators(float* scores, int64_t heads, int64_t n, float* s
       sum += sc[p];
     }
     sums[h] = sum;
+    if (maxes != nullptr) maxes[h] = m;
   }
 }
 

@@ -34,7 +34,7 @@ def attention_case(query_lens: list[int], context_lens: list[int], *, heads: int
                    kv_heads: int = 2, dtype: torch.dtype = torch.float32,
                    cache_dtype: torch.dtype | None = None, window: int | None = None,
                    block_size: int = 16, scales: tuple[float, float] = (1.0, 1.0),
-                   head_dim: int = HEAD_DIM) -> None:
+                   head_dim: int = HEAD_DIM, query_scale: float = 1.0) -> None:
     """The CPU backend's attention equals the torch twin's on one random batch."""
     torch.manual_seed(sum(query_lens) + sum(context_lens) + heads + block_size)
     cache_dtype = cache_dtype or dtype
@@ -43,7 +43,7 @@ def attention_case(query_lens: list[int], context_lens: list[int], *, heads: int
     meta = make_meta(query_lens, context_lens, num_blocks, window, block_size)
     k_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, scales[0])
     v_cache = random_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, scales[1])
-    query = torch.randn(sum(query_lens), heads, head_dim).to(dtype)
+    query = (torch.randn(sum(query_lens), heads, head_dim) * query_scale).to(dtype)
     scale = head_dim ** -0.5
     want = torch_ops.unified_attention(query, k_cache, v_cache, meta, scale, *scales)
     meta._torch_plan = None
@@ -69,6 +69,26 @@ def test_bf16_decode_attention_head_sizes(head_dim: int, group: tuple[int, int],
     attention_case([1, 1, 1, 1], [0, 5, 40, 130], heads=group[0], kv_heads=group[1],
                    dtype=torch.bfloat16, head_dim=head_dim, block_size=block_size,
                    window=window)
+
+
+@pytest.mark.parametrize("contexts, window, group", [
+    ([3000], None, (9, 3)), ([2600], 1100, (9, 3)), ([1500, 40], None, (8, 1)),
+    ([700], 600, (9, 3)), ([1500, 40], None, (9, 3))])
+def test_bf16_decode_attention_splits_long_contexts(contexts: list[int], window: int | None,
+                                                    group: tuple[int, int]) -> None:
+    """Few sequences with long contexts split their keys over the threads (attention_bf16.cpp,
+    key_parts: parts of at least 512 keys, unnormalised sums merged by their maxes), with 2
+    threads as on CI's 2 cores: equal to the twin, with a window, and with a short sequence
+    beside a long one (its parts past its context stay empty). The last two cases do not
+    split (a window of 600 keys; 6 items for 2 threads). Queries 4x randn make the parts'
+    maxes differ by several units, so a merge that weighs the parts wrongly fails."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        attention_case([1] * len(contexts), contexts, heads=group[0], kv_heads=group[1],
+                       dtype=torch.bfloat16, head_dim=64, window=window, query_scale=4.0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32])
