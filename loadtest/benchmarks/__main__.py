@@ -11,7 +11,10 @@ change every figure (each section notes contention it saw).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib
+import itertools
+import multiprocessing as mp
 import sys
 import time
 import traceback
@@ -21,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from loadtest.benchmarks import suite_child
 from loadtest.benchmarks.common import DOCS, ROOT, SuiteContext, format_table, verdict
 from loadtest.benchmarks.machine import environment
 
@@ -59,6 +63,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="run these; the other sections keep their figures from --json")
     p.add_argument("--render-only", action="store_true",
                    help="rewrite --markdown from --json without measuring anything")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every benchmark in this process (by default each benchmark "
+                        "module runs in a fresh one, so none inherits another's threads)")
     p.add_argument("--markdown", type=Path, default=DOCS / "benchmarks.md")
     p.add_argument("--json", type=Path, default=DOCS / "benchmarks.json")
     return p.parse_args(argv)
@@ -148,13 +155,46 @@ def render(env: dict[str, Any], results: Results) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def run_group(entries: list[tuple[str, str, str | None]], ctx: SuiteContext,
+              env: dict[str, Any]) -> Results:
+    """Runs the benchmarks of `entries` one after another in this process."""
+    ctx.apply_threads()
+    return {key: run_one(load(module, attr), ctx, env) for key, module, attr in entries}
+
+
+def run_isolated(entries: list[tuple[str, str, str | None]], ctx: SuiteContext,
+                 env: dict[str, Any]) -> Results:
+    """run_group in a fresh (spawned) process. Benchmarks that run engines in their own
+    process are slowed by what an earlier one left there: an OpenMP team on the main thread
+    halves the engine worker's speed (engine/worker/worker.py), and after the serving
+    benchmark the llama.cpp peer's batch-1 decode measured 75.8 tok/s where a fresh process
+    gives 241."""
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+    try:
+        return pool.submit(suite_child.run_group, entries, ctx, env).result()
+    except Exception as exc:  # the child died (a crash in native code): say so per benchmark
+        traceback.print_exc()
+        return {key: {"target": "-", "met": None, "summary": "failed to run",
+                      "error": f"the benchmark's process died: {type(exc).__name__}: {exc}",
+                      "date": env["date"], "machine": env["cpu"], "quick": ctx.quick,
+                      "seconds": 0.0} for key, _, _ in entries}
+    finally:
+        pool.shutdown()
+
+
 def measure(ns: argparse.Namespace, env: dict[str, Any]) -> Results:
-    """Runs the selected benchmarks in registry order; plots go beside the page."""
+    """Runs the selected benchmarks in registry order, those of one module (which may share a
+    measurement) in one fresh process each unless --in-process; plots go beside the page."""
     ctx = SuiteContext(threads=ns.threads, quick=ns.quick,
                        plot_dir=ns.markdown.parent / "benchmarks")
     ctx.apply_threads()
-    return {key: run_one(load(module, attr), ctx, env) for key, module, attr in REGISTRY
-            if ns.only is None or key in ns.only}
+    selected = [entry for entry in REGISTRY if ns.only is None or entry[0] in ns.only]
+    results: Results = {}
+    for _, group in itertools.groupby(selected, key=lambda entry: entry[1]):
+        entries = list(group)
+        results.update(run_group(entries, ctx, env) if ns.in_process
+                       else run_isolated(entries, ctx, env))
+    return results
 
 
 def write(ns: argparse.Namespace, env: dict[str, Any], results: Results) -> None:

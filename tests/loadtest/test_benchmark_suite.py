@@ -3,6 +3,7 @@ benchmark that crashes is reported as not measured while the others still run.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,8 @@ def test_page_lists_every_verdict_and_survives_a_crash(monkeypatch: pytest.Monke
     monkeypatch.setattr(suite, "REGISTRY", [(k, "unused", k) for k in benches])
     monkeypatch.setattr(suite, "load", lambda module, attr: benches[attr])
     md, js = tmp_path / "b.md", tmp_path / "b.json"
-    assert suite.main(["--threads", "1", "--markdown", str(md), "--json", str(js)]) == 0
+    assert suite.main(["--threads", "1", "--in-process", "--markdown", str(md), "--json",
+                       str(js)]) == 0
     text = md.read_text()
     assert row_cells(text, "1. Passing bench")[1:] == ["< 2% waste", "1.5% waste", "met"]
     assert row_cells(text, "2. Crashing bench")[2:] == ["failed to run", "not measured"]
@@ -103,7 +105,8 @@ def run_suite(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, benches: dict[str
     monkeypatch.setattr(suite, "REGISTRY", [(k, "unused", k) for k in ("a", "b", "c")])
     monkeypatch.setattr(suite, "load", lambda module, attr: benches[attr])
     md, js = tmp_path / "b.md", tmp_path / "b.json"
-    assert suite.main(["--threads", "1", "--markdown", str(md), "--json", str(js), *flags]) == 0
+    assert suite.main(["--threads", "1", "--in-process", "--markdown", str(md), "--json", str(js),
+                       *flags]) == 0
     return md.read_text(), orjson.loads(js.read_bytes())
 
 
@@ -153,3 +156,18 @@ def test_the_committed_page_is_its_json_rendered() -> None:
     env, results = suite.load_previous(DOCS / "benchmarks.json")
     assert env is not None and set(results) == {k for k, _, _ in suite.REGISTRY}
     assert suite.render(env, results) == (DOCS / "benchmarks.md").read_text()
+
+
+def test_each_module_runs_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    """By default the benchmarks of one module share a spawned process of their own, never
+    the suite's (an engine's threads there were slowed by what earlier benchmarks left)."""
+    monkeypatch.setattr(suite, "REGISTRY", [("a", "tests.support.suite_probe", "Probe"),
+                                            ("b", "tests.support.suite_probe", "SameModule"),
+                                            ("c", "tests.support.suite_probe_other",
+                                             "OtherModule")])
+    md, js = tmp_path / "b.md", tmp_path / "b.json"
+    assert suite.main(["--threads", "1", "--markdown", str(md), "--json", str(js)]) == 0
+    pids = [r["summary"] for r in orjson.loads(js.read_bytes())["results"]]
+    assert pids[0] == pids[1] != pids[2]
+    assert f"pid {os.getpid()}" not in pids
