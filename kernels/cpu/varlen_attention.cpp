@@ -133,7 +133,7 @@ struct Varlen {
             tile_scores(qt + c, width, kr, n, dim, sc + c * kKeys);
           }
           softmax_tile(sc + c * kKeys, n, kb, kDot ? scale : 1.0f, pos + c, m + c, l + c,
-                       at + c, width);
+                       at + c, width, window, dim);
           if constexpr (kDot) {
             tile_values_bf16(sc + c * kKeys, reinterpret_cast<const uint32_t*>(vr), n, dim,
                              at + c, width);
@@ -187,46 +187,6 @@ struct Varlen {
         const float norm = sum > 0.0f ? v_scale / sum : 0.0f;
         for (int64_t d = 0; d < dim; ++d) out[d] = from_f<QT>(acc[d] * norm);
       }
-    }
-  }
-
-  // Masks a group's scores by position, turns them into this tile's probabilities against
-  // each row's running max, and rescales its sums and accumulators where the max grew.
-  void softmax_tile(float* sc, int64_t n, int64_t kb, float score_scale, const float* pos,
-                    float* m, float* l, float* at, int64_t stride) const {
-    float mx[kLanes], corr[kLanes], sum[kLanes] = {};
-    const float fwin = window > 0 ? static_cast<float>(window) : INFINITY;
-    for (int64_t lane = 0; lane < kLanes; ++lane) mx[lane] = m[lane];
-    for (int64_t j = 0; j < n; ++j) {
-      const float key = static_cast<float>(kb + j);
-#pragma omp simd
-      for (int64_t lane = 0; lane < kLanes; ++lane) {
-        const bool seen = key <= pos[lane] && key > pos[lane] - fwin;
-        sc[j * kLanes + lane] = seen ? sc[j * kLanes + lane] * score_scale : -INFINITY;
-        mx[lane] = std::max(mx[lane], sc[j * kLanes + lane]);
-      }
-    }
-#pragma omp simd
-    for (int64_t lane = 0; lane < kLanes; ++lane) {
-      corr[lane] = mx[lane] == -INFINITY ? 1.0f : exp_nonpositive(m[lane] - mx[lane]);
-    }
-    for (int64_t j = 0; j < n; ++j) {
-#pragma omp simd
-      for (int64_t lane = 0; lane < kLanes; ++lane) {
-        const float x = sc[j * kLanes + lane];
-        const float p = x == -INFINITY ? 0.0f : exp_nonpositive(x - mx[lane]);
-        sc[j * kLanes + lane] = p;
-        sum[lane] += p;
-      }
-    }
-#pragma omp simd
-    for (int64_t lane = 0; lane < kLanes; ++lane) {
-      l[lane] = l[lane] * corr[lane] + sum[lane];
-      m[lane] = mx[lane];
-    }
-    for (int64_t d = 0; d < dim; ++d) {
-#pragma omp simd
-      for (int64_t lane = 0; lane < kLanes; ++lane) at[d * stride + lane] *= corr[lane];
     }
   }
 };

@@ -2,13 +2,16 @@
 // time (the rows are the vector lanes), in float FMAs, and over a bfloat16 cache with
 // AVX512-BF16 (`vdpbf16ps`: two bf16 products, exact in float, added to a float lane per
 // instruction, twice the float FMA's rate): scores straight from the cache rows, values paired
-// along the keys.
+// along the keys; and the online softmax between them.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+
+#include "paged.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -67,6 +70,47 @@ inline void tile_values(const float* p, const float* vr, int64_t n, int64_t dim,
 #pragma omp simd
       for (int64_t l = 0; l < kLanes; ++l) ad[l] += vv * p[j * kLanes + l];
     }
+  }
+}
+
+// Masks a group's scores by position, turns them into this tile's probabilities against
+// each row's running max, and rescales its sums and accumulators where the max grew.
+inline void softmax_tile(float* sc, int64_t n, int64_t kb, float score_scale,
+                         const float* pos, float* m, float* l, float* at, int64_t stride,
+                         int64_t window, int64_t dim) {
+  float mx[kLanes], corr[kLanes], sum[kLanes] = {};
+  const float fwin = window > 0 ? static_cast<float>(window) : INFINITY;
+  for (int64_t lane = 0; lane < kLanes; ++lane) mx[lane] = m[lane];
+  for (int64_t j = 0; j < n; ++j) {
+    const float key = static_cast<float>(kb + j);
+#pragma omp simd
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      const bool seen = key <= pos[lane] && key > pos[lane] - fwin;
+      sc[j * kLanes + lane] = seen ? sc[j * kLanes + lane] * score_scale : -INFINITY;
+      mx[lane] = std::max(mx[lane], sc[j * kLanes + lane]);
+    }
+  }
+#pragma omp simd
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    corr[lane] = mx[lane] == -INFINITY ? 1.0f : exp_nonpositive(m[lane] - mx[lane]);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      const float x = sc[j * kLanes + lane];
+      const float p = x == -INFINITY ? 0.0f : exp_nonpositive(x - mx[lane]);
+      sc[j * kLanes + lane] = p;
+      sum[lane] += p;
+    }
+  }
+#pragma omp simd
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    l[lane] = l[lane] * corr[lane] + sum[lane];
+    m[lane] = mx[lane];
+  }
+  for (int64_t d = 0; d < dim; ++d) {
+#pragma omp simd
+    for (int64_t lane = 0; lane < kLanes; ++lane) at[d * stride + lane] *= corr[lane];
   }
 }
 
