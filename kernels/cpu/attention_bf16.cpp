@@ -74,7 +74,8 @@ void head_scores(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx
 // The weighted sum of V rows for KV head g's query heads, normalised, into the output.
 template <int C>
 void head_values(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
-                 const float* weights, const float* sums, int64_t n, float* raw = nullptr) {
+                 const float* weights, const float* sums, int64_t n, float* raw = nullptr,
+                 int64_t raw_stride = 0) {
   constexpr int H = kHeadsPerPass<C>;
   const int64_t dim = 32 * C, h_base = g * c.group;
   for (int64_t h0 = 0; h0 < c.group; h0 += H) {
@@ -91,9 +92,10 @@ void head_values(const Call& c, int64_t s, int64_t g, int64_t first, int64_t ctx
         for (int i = 0; i < H; ++i) acc[i][j] = _mm512_fmadd_ps(w[i], v, acc[i][j]);
       }
     });
-    for (int64_t i = 0; i < nh && raw != nullptr; ++i) {  // a part's unnormalised sums
+    // a part's unnormalised sums instead, query head h0 + i's at raw + (h0 + i) x raw_stride
+    for (int64_t i = 0; i < nh && raw != nullptr; ++i) {
       for (int j = 0; j < 2 * C; ++j) {
-        _mm512_storeu_ps(raw + (h0 + i) * (dim + 2) + 16 * j, acc[i][j]);
+        _mm512_storeu_ps(raw + (h0 + i) * raw_stride + 16 * j, acc[i][j]);
       }
     }
     for (int64_t i = 0; i < nh && raw == nullptr; ++i) {
@@ -153,12 +155,10 @@ void run_split(const Call& c, int64_t num_seqs, const WorkSplit& split, int64_t 
         }
         head_scores<C>(c, s, g, k0, k1, scores.data(), k1 - k0);
         softmax_numerators(scores.data(), c.group, k1 - k0, sums.data(), maxes.data());
-        // head_values writes row i at raw + i * stride: spread them to their heads' partials
-        std::vector<float> rows(c.group * stride);
-        head_values<C>(c, s, g, k0, k1, scores.data(), sums.data(), k1 - k0, rows.data());
+        head_values<C>(c, s, g, k0, k1, scores.data(), sums.data(), k1 - k0, raw,
+                       parts * stride);
         for (int64_t i = 0; i < c.group; ++i) {
           float* pr = raw + i * parts * stride;
-          std::copy(rows.data() + i * stride, rows.data() + i * stride + dim, pr);
           pr[dim] = maxes[i];
           pr[dim + 1] = sums[i];
         }

@@ -71,6 +71,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def failed(error: str) -> dict[str, Any]:
+    """The result of a benchmark that did not run to its end."""
+    return {"target": "-", "met": None, "error": error, "summary": "failed to run"}
+
+
+def stamp(result: dict[str, Any], ctx: SuiteContext, env: dict[str, Any],
+          seconds: float) -> None:
+    """Adds how long a result took, when and where it was measured."""
+    result.update(seconds=seconds, date=env["date"], machine=env["cpu"], quick=ctx.quick)
+
+
 def run_one(bench: Any, ctx: SuiteContext, env: dict[str, Any]) -> dict[str, Any]:
     """Runs one benchmark; a crash becomes a result that says so."""
     print(f"== {bench.NAME}", flush=True)
@@ -79,10 +90,8 @@ def run_one(bench: Any, ctx: SuiteContext, env: dict[str, Any]) -> dict[str, Any
         result = bench.run(ctx)
     except Exception as exc:  # one broken benchmark must not lose the others' figures
         traceback.print_exc()
-        result = {"target": "-", "met": None, "error": f"{type(exc).__name__}: {exc}",
-                  "summary": "failed to run"}
-    result.update(seconds=time.perf_counter() - start, date=env["date"], machine=env["cpu"],
-                  quick=ctx.quick)
+        result = failed(f"{type(exc).__name__}: {exc}")
+    stamp(result, ctx, env, time.perf_counter() - start)
     print(f"== {bench.NAME}: {verdict(result['met'], bool(result.get('skipped')))} "
           f"({result['summary']}) in {result['seconds']:.0f} s", flush=True)
     return result
@@ -174,10 +183,11 @@ def run_isolated(entries: list[tuple[str, str, str | None]], ctx: SuiteContext,
         return pool.submit(suite_child.run_group, entries, ctx, env).result()
     except Exception as exc:  # the child died (a crash in native code): say so per benchmark
         traceback.print_exc()
-        return {key: {"target": "-", "met": None, "summary": "failed to run",
-                      "error": f"the benchmark's process died: {type(exc).__name__}: {exc}",
-                      "date": env["date"], "machine": env["cpu"], "quick": ctx.quick,
-                      "seconds": 0.0} for key, _, _ in entries}
+        results: Results = {}
+        for key, _, _ in entries:
+            results[key] = failed(f"the benchmark's process died: {type(exc).__name__}: {exc}")
+            stamp(results[key], ctx, env, 0.0)
+        return results
     finally:
         pool.shutdown()
 

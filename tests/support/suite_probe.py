@@ -1,5 +1,5 @@
 """Benchmarks for the suite's process isolation test (tests/loadtest/test_benchmark_suite.py):
-each reports the process it ran in, and whether torch had started an OpenMP team there."""
+each reports the process it ran in."""
 
 from __future__ import annotations
 
