@@ -76,16 +76,16 @@ def thread_env(threads: int) -> dict[str, str]:
 
 
 def kvserve_spec(model: Path | None, threads: int, max_num_seqs: int, log_dir: Path,
-                 extra_args: list[str]) -> ServerSpec:
+                 extra_args: list[str], name: str = "kvserve") -> ServerSpec:
     """`python -m server.cli serve` from the project's venv; `model=None` serves the
-    embedded default model."""
+    embedded default model; `name` labels it in reports and names its log."""
     port = free_port()
     argv = [sys.executable, "-m", "server.cli", "serve", *([] if model is None else [str(model)]),
             "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads),
             "--max-num-seqs", str(max_num_seqs), *extra_args]
     env = thread_env(threads)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return ServerSpec("kvserve", argv, env, port, log_dir / "kvserve_serve.log",
+    return ServerSpec(name, argv, env, port, log_dir / f"{name}_serve.log",
                       extra_body={"ignore_eos": True})
 
 

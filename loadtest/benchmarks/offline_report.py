@@ -56,13 +56,14 @@ def peak_rate(rates: dict[str, Any], arithmetic: str | None) -> float:
 
 
 def roofline_summary(mc: ModelConfig, rates: dict[str, Any], decode: dict[str, Any],
-                     weight_bytes: int, arithmetic: dict[str, str] | None = None
-                     ) -> dict[str, Any]:
+                     weight_bytes: int, arithmetic: dict[str, str] | None = None,
+                     kv_element_bytes: int = 4) -> dict[str, Any]:
     """The decode-step roofline from the model shape, the machine rates and measured steps.
 
     `arithmetic` names what the engine multiplies in: {"linear": ..., "attention": ...}
     (float32, bfloat16 or int8: quantized weights on kvserve's tiled kernels multiply int8
-    codes), each part timed at the machine's matmul peak for it."""
+    codes), each part timed at the machine's matmul peak for it; `kv_element_bytes` is the KV
+    cache's element size (the attended KV bytes are reported beside the roofline)."""
     arithmetic = arithmetic or {}
     linear, attention = decode_step_flop_parts(
         mc.num_params(), mc.num_hidden_layers, mc.num_attention_heads, mc.head_dim,
@@ -73,7 +74,7 @@ def roofline_summary(mc: ModelConfig, rates: dict[str, Any], decode: dict[str, A
     roof = roofline_step_seconds(linear + attention, weight_bytes,
                                  (linear + attention) / compute_s, read)
     kv_bytes = decode["num_seqs"] * decode["mean_context"] * mc.kv_bytes_per_token(
-        weight_bytes // mc.num_params())
+        kv_element_bytes)
     return {"flops": linear + attention, "weight_bytes": weight_bytes, "compute_s": compute_s,
             "memory_s": weight_bytes / read, "roofline_s": roof, "kv_bytes": kv_bytes,
             "achieved_s": decode["median_step_s"], "worker_s": decode["median_worker_s"],
@@ -93,7 +94,7 @@ def build_report(cfg: BenchConfig, env: dict[str, Any], mc: ModelConfig, rates: 
         "ratios": {"vs_generate_batch": ratio(kv_tps, hf["generate_batch"]["tokens_per_s"]),
                    "vs_sequential": ratio(kv_tps, seq["tokens_per_s"] if seq else None)},
         "roofline": roofline_summary(mc, rates, kv["decode"], kv["weight_bytes"],
-                                     kv.get("arithmetic")),
+                                     kv.get("arithmetic"), kv.get("kv_element_bytes", 4)),
         "batch1_floor_tokens_per_s": bandwidth_floor_tokens_per_s(kv["weight_bytes"], read),
         "batch1_floor_float32_tokens_per_s": bandwidth_floor_tokens_per_s(
             mc.num_params() * 4, read),

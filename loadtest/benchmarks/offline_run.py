@@ -141,8 +141,10 @@ def run_kvserve(cfg: BenchConfig, dtype: str, prompts: list[list[int]] | None,
     """All kvserve measurements for one dtype; `prompts=None` skips the throughput run."""
     llm = kvserve_engine(dtype, cfg.threads)
     wait = cfg.wait_quiet
-    result: dict[str, Any] = {"dtype": dtype, "weight_bytes": llm.engine.runner.weight_bytes(),
-                              "arithmetic": engine_arithmetic(llm)}
+    runner = llm.engine.runner
+    result: dict[str, Any] = {"dtype": dtype, "weight_bytes": runner.weight_bytes(),
+                              "arithmetic": engine_arithmetic(llm),
+                              "kv_element_bytes": runner.kv_cache_dtype.itemsize}
     if prompts is not None:
         result["throughput"] = timed(lambda: kvserve_throughput(llm, prompts, cfg.output_len),
                                      wait)

@@ -24,7 +24,7 @@ from loadtest.benchmarks.machine import (
     other_cores,
     wait_for_quiet,
 )
-from loadtest.benchmarks.serving_report import ceiling_tok_s, verdicts
+from loadtest.benchmarks.serving_report import GGUF_NAME, PEER_NAME, ceiling_tok_s, verdicts
 from loadtest.datasets import Prompt
 from loadtest.results import build_result, write_result
 from loadtest.runner import LoadConfig, LoadRun, run_fixed_concurrency, run_load
@@ -87,11 +87,19 @@ def make_requests(chats: Sequence[list[dict[str, str]]], model_id: str, max_toke
 
 
 def server_specs(ns: argparse.Namespace) -> list[ServerSpec]:
-    """The servers to run, kvserve first."""
+    """The servers to run, kvserve first: on the HF export the peer loads too, then on the
+    GGUF file that export came from (its int4 blocks kept in place, kvserve's default for a
+    GGUF file), unless --no-gguf."""
+    from engine.model_loader.gguf.weights import default_model_path
+
     specs = []
+    max_seqs = max([*ns.concurrency, 64])
     if ns.only in (None, "kvserve"):
-        specs.append(kvserve_spec(ns.model, ns.server_threads, max([*ns.concurrency, 64]),
-                                  RESULTS, shlex.split(ns.kvserve_args)))
+        specs.append(kvserve_spec(ns.model, ns.server_threads, max_seqs, RESULTS,
+                                  shlex.split(ns.kvserve_args)))
+    if ns.only in (None, GGUF_NAME) and ns.gguf:
+        specs.append(kvserve_spec(default_model_path(), ns.server_threads, max_seqs, RESULTS,
+                                  shlex.split(ns.kvserve_args), name=GGUF_NAME))
     if ns.only in (None, "peer"):
         specs.append(peer_spec(ns.model, ns.server_threads, RESULTS, shlex.split(ns.peer_args)))
     if not ns.ignore_eos:
@@ -123,7 +131,7 @@ def levels(ns: argparse.Namespace) -> list[Level]:
 def requests_for(ns: argparse.Namespace, spec: ServerSpec, level: Level) -> int:
     """How many requests one level sends to one server."""
     default = ns.num_requests or (2 * level.concurrency if level.concurrency else 64)
-    return (ns.peer_num_requests or default) if spec.name != "kvserve" else default
+    return (ns.peer_num_requests or default) if spec.name == PEER_NAME else default
 
 
 def load_config(ns: argparse.Namespace, server: RunningServer, level: Level) -> LoadConfig:

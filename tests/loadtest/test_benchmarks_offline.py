@@ -78,6 +78,11 @@ def test_roofline_times_each_part_at_the_peak_of_its_arithmetic(tiny_llama_dir: 
     tiled = roofline_summary(mc, rates, decode, 1000, {"linear": "int8", "attention": "bfloat16"})
     assert tiled["compute_s"] == pytest.approx(linear / 800e9 + attention / 200e9)
     assert tiled["roofline_s"] == pytest.approx(tiled["compute_s"])
+    # the KV attended: every sequence's context, in the cache's element size (not the weights')
+    per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim
+    assert plain["kv_bytes"] == pytest.approx(8 * 50.0 * per_token * 4)
+    assert roofline_summary(mc, rates, decode, 1000, kv_element_bytes=2)["kv_bytes"] == \
+        pytest.approx(8 * 50.0 * per_token * 2)
     del rates["gemm_square_by_arithmetic"]  # an older run: the float32 peak for everything
     assert roofline_summary(mc, rates, decode, 1000, {"linear": "int8"})["compute_s"] == \
         pytest.approx(plain["compute_s"])

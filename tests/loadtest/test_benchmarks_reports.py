@@ -10,7 +10,12 @@ import pytest
 
 from loadtest.benchmarks import fp8_quality, offline, serving
 from loadtest.benchmarks.common import DOCS
-from loadtest.benchmarks.serving_report import ceiling_lines, ceiling_tok_s, verdicts
+from loadtest.benchmarks.serving_report import (
+    ceiling_lines,
+    ceiling_tok_s,
+    verdict_table,
+    verdicts,
+)
 
 
 def level(name: str, tok_s: float, ttft99: float, itl99: float, failed: int = 0
@@ -22,10 +27,14 @@ def level(name: str, tok_s: float, ttft99: float, itl99: float, failed: int = 0
             "errors": []}
 
 
-def report(kv: list[dict[str, Any]], peer: list[dict[str, Any]]) -> dict[str, Any]:
-    """A serving report with the two servers' levels."""
-    return {"servers": [{"name": "kvserve", "levels": kv, "command": "kvserve serve"},
-                        {"name": "transformers", "levels": peer, "command": "transformers"}]}
+def report(kv: list[dict[str, Any]], peer: list[dict[str, Any]],
+           gguf: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A serving report with the servers' levels (kvserve on the GGUF when `gguf` is given)."""
+    servers = [{"name": "kvserve", "levels": kv, "command": "kvserve serve"}]
+    if gguf is not None:
+        servers.append({"name": "kvserve-gguf", "levels": gguf, "command": "kvserve serve g"})
+    return {"servers": [*servers, {"name": "transformers", "levels": peer,
+                                   "command": "transformers"}]}
 
 
 def test_serving_verdicts_need_every_ratio_and_no_failure() -> None:
@@ -38,8 +47,28 @@ def test_serving_verdicts_need_every_ratio_and_no_failure() -> None:
     assert got["c=64"]["tok_s_ratio"] == pytest.approx(15.0) and not got["c=64"]["met"]
     r["verdicts"] = verdicts(r)
     judged = serving.judge(r, [])
-    assert judged["met"] is False and judged["summary"].startswith("c=16: 20.00x tok/s")
+    assert judged["met"] is False and judged["summary"].startswith("kvserve c=16: 20.00x tok/s")
     assert serving.judge(report([], []) | {"verdicts": []}, [])["met"] is None
+
+
+def test_serving_judges_the_gguf_server_at_64_streams_only() -> None:
+    """kvserve on the GGUF is held to issue 12's target at c=64; its other levels are shown
+    but do not decide the verdict, and kvserve on the HF export is judged at every level."""
+    peer = [level("c=16", 10.0, 100.0, 10.0), level("c=64", 20.0, 100.0, 10.0)]
+    kv = [level("c=16", 200.0, 50.0, 5.0), level("c=64", 300.0, 90.0, 9.0)]
+    r = report(kv, peer, gguf=[level("c=16", 50.0, 50.0, 5.0), level("c=64", 150.0, 90.0, 9.0)])
+    r["verdicts"] = verdicts(r)
+    got = {(v["server"], v["level"]): v for v in r["verdicts"]}
+    assert set(got) == {(s, c) for s in ("kvserve", "kvserve-gguf") for c in ("c=16", "c=64")}
+    assert not got[("kvserve-gguf", "c=16")]["met"]  # 5x: shown, not judged
+    judged = serving.judge(r, [])
+    assert judged["met"] is False  # the GGUF's 7.5x at c=64
+    assert "kvserve-gguf c=64: 7.50x tok/s" in judged["summary"]
+    assert "kvserve-gguf c=16" not in judged["summary"]
+    r = report(kv, peer, gguf=[level("c=16", 50.0, 50.0, 5.0), level("c=64", 250.0, 90.0, 9.0)])
+    r["verdicts"] = verdicts(r)
+    assert serving.judge(r, [])["met"] is True
+    assert "| kvserve-gguf | c=64 " in verdict_table(r)
 
 
 def test_ceiling_counts_the_lm_head_for_output_tokens_only() -> None:
