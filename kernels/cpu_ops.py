@@ -26,7 +26,8 @@ logger = logging.getLogger("kvserve")
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = [SOURCE_DIR / name for name in ("kvserve_cpu_ops.cpp", "attention.cpp",
                                           "attention_bf16.cpp", "varlen_attention.cpp",
-                                          "elementwise.cpp", "qgemm.cpp", "decoder_layer.cpp")]
+                                          "elementwise.cpp", "qgemm.cpp", "decoder_layer.cpp",
+                                          "sampling.cpp")]
 ENV_SWITCH = "KVSERVE_CPU_OPS"
 # -march=native: the library is built on the machine that runs it (the cache key holds the
 # CPU's flags). OpenMP lets `#pragma omp simd` vectorise the float reductions.

