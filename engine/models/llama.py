@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.cpu_layer import FusedLayer, fused_layer
+from engine.models.cpu_layer import FusedLayer, FusedStack, fused_layer, fused_stack
 from engine.models.rope import RotaryEmbedding
 from kernels.metadata import AttentionBackend, AttentionMetadata
 
@@ -116,14 +116,20 @@ class DecoderLayer(nn.Module):
         # the weights are loaded, quantized and packed. False: this layer has none.
         self._fused: FusedLayer | Literal[False] | None = None
 
+    def fused(self) -> FusedLayer | None:
+        """This layer as one C++ op (built on first use), or None where it has none."""
+        if self.ops is None:
+            return None
+        if self._fused is None:
+            self._fused = fused_layer(self) or False
+        return self._fused or None
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> torch.Tensor:
-        if self.ops is not None and x.is_cpu:
-            fused = self._fused
-            if fused is None:
-                fused = self._fused = fused_layer(self) or False
-            if isinstance(fused, FusedLayer) and fused.serves(x, meta):
+        if x.is_cpu:
+            fused = self.fused()
+            if fused is not None and fused.serves(x, meta):
                 return fused(x, cos, sin, kv_cache, meta)
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         if self.ops is not None and x.is_cpu:
@@ -150,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Every layer in one C++ call on CPU (engine/models/cpu_layer.py), built on first use.
+        self._fused_stack: FusedStack | Literal[False] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
@@ -157,9 +165,20 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        stack = self._stack(x)
+        if stack is not None and stack.serves(x, meta):  # every layer in one C++ call
+            return self.norm(stack(x, cos, sin, kv_caches, meta))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
+
+    def _stack(self, x: torch.Tensor) -> FusedStack | None:
+        """All layers as one C++ object on CPU (built on first use), or None."""
+        if not x.is_cpu:
+            return None
+        if self._fused_stack is None:
+            self._fused_stack = fused_stack(list(self.layers)) or False  # type: ignore[arg-type]
+        return self._fused_stack or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""

@@ -18,6 +18,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <vector>
+
 #include "ops.h"
 
 namespace kvserve {
@@ -107,6 +109,33 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
   add_rms_norm_(o, x, norm2, eps);  // x += o; o = norm(x)
   at::Tensor act = silu_and_mul(linear(o, 2, kinds, params, linears));
   x.add_(linear(act, 3, kinds, params, linears));
+}
+
+void DecoderStack::add_layer(at::Tensor norm1, at::Tensor norm2, double eps,
+                             std::vector<int64_t> kinds, std::vector<int64_t> params,
+                             c10::List<std::optional<at::Tensor>> linears,
+                             std::vector<int64_t> heads, double scale, double k_scale,
+                             double v_scale) {
+  layers_.push_back(Layer{std::move(norm1), std::move(norm2), eps, std::move(kinds),
+                          std::move(params), std::move(linears), std::move(heads), scale,
+                          k_scale, v_scale});
+}
+
+void DecoderStack::forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                           const std::vector<at::Tensor>& k_caches,
+                           const std::vector<at::Tensor>& v_caches,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, int64_t sliding_window,
+                           const std::optional<at::Tensor>& query_start_loc) {
+  TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+              "DecoderStack.forward: ", layers_.size(), " layers, ", k_caches.size(),
+              " K and ", v_caches.size(), " V caches");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    decoder_layer_(x, cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables, seq_lens,
+                   l.norm1, l.norm2, l.eps, l.kinds, l.params, l.linears, l.heads, l.scale,
+                   sliding_window, l.k_scale, l.v_scale, query_start_loc);
+  }
 }
 
 }  // namespace kvserve

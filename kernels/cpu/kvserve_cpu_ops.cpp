@@ -18,7 +18,8 @@
 //   q4_linear, q8_linear
 //                     weight-only int4 (blocks of 32) and int8 (per row) linear layers, with
 //                     in tiles of 16 rows for AVX512-VNNI's int8 dot product (qgemm.cpp);
-//   decoder_layer_    a whole decode layer from those and torch's matmuls (decoder_layer.cpp);
+//   decoder_layer_    a whole decode layer from those and torch's matmuls (decoder_layer.cpp),
+//                     and DecoderStack: every layer of a model in one call per step;
 //   argmax_rows       greedy sampling's argmax over float32 logits rows (sampling.cpp).
 //
 // The ops are registered for the CPU dispatch key (decoder_layer_ also for MkldnnCPU, where
@@ -53,6 +54,11 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale_mins, int path=0) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int path=0) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.class_<kvserve::DecoderStack>("DecoderStack")
+      .def(torch::init<>())
+      .def("add_layer", &kvserve::DecoderStack::add_layer)
+      .def("forward", &kvserve::DecoderStack::forward)
+      .def("size", &kvserve::DecoderStack::size);
   m.def("int8_dot_available() -> bool", &kvserve::int8_dot_available);
 }
 

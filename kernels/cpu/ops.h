@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 
 #include <optional>
 #include <vector>
@@ -47,5 +48,33 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                     const c10::List<std::optional<at::Tensor>>& linears, at::IntArrayRef heads,
                     double scale, int64_t sliding_window, double k_scale, double v_scale,
                     const std::optional<at::Tensor>& query_start_loc);
+
+
+// Every decoder layer of a model, described once (`add_layer`: decoder_layer_'s per-layer
+// arguments) and run in one call per step: 30 calls of decoder_layer_ from Python cost
+// ~14 us each in argument conversion and module calls, 0.4 ms of a 5 ms SmolLM2 token.
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  void add_layer(at::Tensor norm1, at::Tensor norm2, double eps, std::vector<int64_t> kinds,
+                 std::vector<int64_t> params, c10::List<std::optional<at::Tensor>> linears,
+                 std::vector<int64_t> heads, double scale, double k_scale, double v_scale);
+  void forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+               const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+               const at::Tensor& seq_lens, int64_t sliding_window,
+               const std::optional<at::Tensor>& query_start_loc);
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    at::Tensor norm1, norm2;
+    double eps;
+    std::vector<int64_t> kinds, params;
+    c10::List<std::optional<at::Tensor>> linears;
+    std::vector<int64_t> heads;
+    double scale, k_scale, v_scale;
+  };
+  std::vector<Layer> layers_;
+};
 
 }  // namespace kvserve

@@ -133,7 +133,7 @@ def engine_arithmetic(llm: LLM) -> dict[str, str]:
         linear = str(first.input_layernorm.weight.dtype).removeprefix("torch.")
     # the CPU attention kernels multiply a bf16 cache in bf16 and every other cache in float32
     return {"linear": linear,
-            "attention": "bfloat16" if runner.kv_cache_dtype == torch.bfloat16 else "float32"}
+            "attention": "bfloat16" if runner.kv_cache_dtype() == torch.bfloat16 else "float32"}
 
 
 def run_kvserve(cfg: BenchConfig, dtype: str, prompts: list[list[int]] | None,
@@ -144,7 +144,7 @@ def run_kvserve(cfg: BenchConfig, dtype: str, prompts: list[list[int]] | None,
     runner = llm.engine.runner
     result: dict[str, Any] = {"dtype": dtype, "weight_bytes": runner.weight_bytes(),
                               "arithmetic": engine_arithmetic(llm),
-                              "kv_element_bytes": runner.kv_cache_dtype.itemsize}
+                              "kv_element_bytes": runner.kv_cache_dtype().itemsize}
     if prompts is not None:
         result["throughput"] = timed(lambda: kvserve_throughput(llm, prompts, cfg.output_len),
                                      wait)

@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams, cpu_features
-from engine.models.cpu_layer import DENSE, INT4, INT4_TILES, INT8, INT8_TILES, PACKED, FusedLayer
+from engine.models.cpu_layer import (
+    DENSE,
+    INT4,
+    INT4_TILES,
+    INT8,
+    INT8_TILES,
+    PACKED,
+    FusedLayer,
+    FusedStack,
+)
 from engine.models.llama import RMSNorm
 from engine.models.rope import RotaryEmbedding
 from engine.quantization import tiles
@@ -237,6 +246,7 @@ def step_rows(llm: LLM, rows: int, chunk: int = 0) -> tuple[Any, Any]:
 
 
 fused_call = FusedLayer.__call__
+stack_call = FusedStack.__call__
 
 
 @pytest.mark.parametrize("chunk", [0, 21])
@@ -247,8 +257,8 @@ fused_call = FusedLayer.__call__
 def test_fused_layer_equals_python_layer(tiny_llama_dir: Path, quantization: str,
                                          torch_layouts: bool, dtype: str, chunk: int,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """decoder_layer_ (one C++ call) and the layer's Python forward over the same ops give the
-    same hidden states, for each weight format the op runs (kvserve's tiled int8/int4 where
+    """decoder_layer_ (one C++ call), DecoderStack (every layer in one call) and the layer's
+    Python forward over the same ops give the same hidden states, for each weight format the op runs (kvserve's tiled int8/int4 where
     built with AVX512-VNNI, and torch's, forced by hiding the tiled ops), on decode rows and on
     a mixed batch (a prefill chunk beside them). A float32 model runs the tiles on its float32
     activations (no bfloat16 round trip), so the op serves it too."""
@@ -267,16 +277,22 @@ def test_fused_layer_equals_python_layer(tiny_llama_dir: Path, quantization: str
         pytest.skip("float32 models keep the tiled layout only on CPUs with AVX512-VNNI and "
                     "native bfloat16")
 
-    def run(layer_state: str) -> torch.Tensor:
+    def run(state: str) -> torch.Tensor:
         for layer in model.layers:
-            layer._fused = None if layer_state == "fused" else False
+            layer._fused = False if state == "python" else None
+        model._fused_stack = None if state == "stack" else False
         with torch.inference_mode():
             return model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
 
     python = llm.engine.worker.call(run, "python")
-    calls = []
+    calls, stack_calls = [], []
     monkeypatch.setattr(FusedLayer, "__call__", lambda self, *a: calls.append(1) or
                         fused_call(self, *a))
+    monkeypatch.setattr(FusedStack, "__call__", lambda self, *a: stack_calls.append(1) or
+                        stack_call(self, *a))
+    stacked = llm.engine.worker.call(run, "stack")
+    assert stack_calls == [1] and not calls  # the layers ran inside the stack's one call
+    torch.testing.assert_close(stacked, python, atol=0, rtol=0)
     fused = llm.engine.worker.call(run, "fused")
     assert len(calls) == len(model.layers)
     kinds = {k for layer in model.layers if isinstance(layer._fused, FusedLayer)
