@@ -12,7 +12,6 @@ OPS = cpu_ops.load()
 pytestmark = pytest.mark.skipif(OPS is None, reason="kvserve's CPU ops could not be built here")
 
 
-
 def test_argmax_rows_equals_torch_argmax() -> None:
     """The greedy argmax op against torch.argmax: ties go to the first index (also across
     -0.0 / +0.0), a NaN wins (the first one), all -inf rows give 0, row lengths off the
