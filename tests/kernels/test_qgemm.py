@@ -89,7 +89,7 @@ def test_shapes_that_do_not_tile_are_refused() -> None:
         tiles.pack_int8(torch.zeros(40, 64, dtype=torch.int8))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 17, 1003])  # 1003: several L2 chunks
 @pytest.mark.parametrize("n, k, group", [(48, 96, 32), (32, 256, 64), (64, 512, 128),
                                          (96, 576, 32)])
 def test_q4_linear_paths(ops: object, rows: int, n: int, k: int, group: int) -> None:
