@@ -7,7 +7,10 @@ a hand-picked token count). The costs come from `StepCostModel`: profiled at sta
 the last steps' timings, so the chunk follows the hardware, the model, the number of streams
 and the context the chunk attends over (a chunk deep into an 8k prompt attends over more and
 gets fewer tokens). Prefill still moves every step: the chunk never drops below
-MIN_CHUNK_TOKENS. Chunks of a block or more are whole blocks; deep into a long prompt, where a
+MIN_CHUNK_TOKENS. The cap protects streams that are the majority: while more requests wait for
+their first token (queued, or mid-prefill) than streams decode, a step takes the whole budget,
+as vLLM's would (64 chat requests arriving at once behind one that started a moment earlier
+were otherwise admitted a few per capped step, and their prefill took twice as long). Chunks of a block or more are whole blocks; deep into a long prompt, where a
 block's attention over the context alone would take the step past its limit, a chunk may be
 a few tokens (the streams' pace comes first). A step with no decodes, or with nothing to
 prefill, takes the whole budget, `max_tokens` (the default ceiling: max-model-len up to 8192,
@@ -68,19 +71,25 @@ class AdaptiveStepBudget:
     def next_budget(self, running: Sequence[Request], waiting: Sequence[Request],
                     num_new_tokens: Callable[[Request], int]) -> int:
         """This step's budget: the running decodes plus a chunk sized by the cost model when
-        something decodes and something waits to prefill, else `max_tokens`.
+        something decodes, something waits to prefill and the decoding streams outnumber the
+        requests still to make their first token; else `max_tokens`.
         `num_new_tokens(request)` is what the request would compute with no budget limit."""
         decode_contexts: list[int] = []
         prefill_start: int | None = None
+        starting = len(waiting)  # requests still to make their first token
         for request in running:
             num_new = num_new_tokens(request)
             if num_new == 1:
                 decode_contexts.append(request.num_computed_tokens + 1)
-            elif num_new > 1 and prefill_start is None:
-                prefill_start = request.num_computed_tokens
+            elif num_new > 1:
+                starting += 1
+                if prefill_start is None:
+                    prefill_start = request.num_computed_tokens
         if prefill_start is None and waiting:
             prefill_start = waiting[0].num_computed_tokens  # its prefix-cache hit is unknown yet
-        if not decode_contexts or prefill_start is None:
+        if not decode_contexts or prefill_start is None or starting > len(decode_contexts):
+            # More requests wait for their first token than streams decode (a burst of
+            # arrivals): admitting them together is worth one long step of the few streams.
             self.last_chunk = None
             return self.max_tokens
         self.last_chunk = self.chunk_tokens(decode_contexts, prefill_start)
@@ -135,7 +144,8 @@ class AdaptiveStepBudget:
         """The startup log lines: what the budget is, its limits, and the model's estimate."""
         lines = [
             f"Token budget per step: adaptive (--max-num-batched-tokens not set): up to "
-            f"{self.max_tokens:,} tokens while no request is decoding; with decodes running, "
+            f"{self.max_tokens:,} tokens while no request is decoding or more requests wait "
+            f"for their first token than streams decode; otherwise, "
             f"the decodes plus a prefill chunk of {self.min_chunk:,} to "
             f"{self.max_tokens - 1:,} tokens sized to keep the step within {self.multiple:g}x "
             f"a decode-only step, by a step-cost model fit on {self.model.num_observations} "

@@ -112,6 +112,31 @@ def test_without_decodes_a_step_takes_the_whole_budget() -> None:
     assert chunk_of(batch, "long") == 10000 - 8192
 
 
+def test_a_burst_of_arrivals_is_admitted_in_one_step() -> None:
+    # One request started a moment before ten more arrived: the ten outnumber the one stream,
+    # so they prefill together instead of a capped chunk per step.
+    budget = AdaptiveStepBudget(8192, block_size=16, multiple=2.5, model=trained_model())
+    s = make_scheduler(budget, max_seqs=16)
+    add(s, "first", 100)
+    run_step(s, budget)
+    burst = [add(s, f"b{i}", 100) for i in range(10)]
+    batch = run_step(s, budget)
+    assert chunk_of(batch, "first") == 1 and budget.last_chunk is None
+    assert all(chunk_of(batch, r.request_id) == 100 for r in burst)
+
+
+def test_arrivals_fewer_than_the_streams_are_capped() -> None:
+    budget = AdaptiveStepBudget(8192, block_size=16, multiple=2.5, model=trained_model())
+    s = make_scheduler(budget, max_seqs=16)
+    decoders = [add(s, f"d{i}", 32) for i in range(4)]
+    run_step(s, budget)
+    arrivals = [add(s, f"a{i}", 100) for i in range(3)]
+    batch = run_step(s, budget)
+    assert all(chunk_of(batch, d.request_id) == 1 for d in decoders)
+    assert budget.last_chunk is not None
+    assert sum(chunk_of(batch, r.request_id) for r in arrivals) < 100
+
+
 def test_decodes_alone_are_not_capped() -> None:
     budget = AdaptiveStepBudget(2048, block_size=16, model=trained_model())
     s = make_scheduler(budget, max_seqs=8)
