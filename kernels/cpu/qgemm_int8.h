@@ -199,13 +199,21 @@ template <typename W, typename T>
 void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
   const QuantRows a(x, M, K, blocks_per_group(w));
   // Rows in chunks whose quantized x stays in L2 while the threads' tiles pass over it (a
-  // 4096-row prefill streamed all of it from L3 once per tile: ~15% slower at K 576). Work
-  // items (a chunk's run of tiles, chunk by chunk) are taken from a shared counter: a thread
-  // the OS preempted (the server's event loop shares the cores) no longer holds up the other
-  // at the end of the region.
+  // 4096-row prefill streamed all of it from L3 once per tile: ~15% slower at K 576).
   const int64_t chunk = std::max<int64_t>(kMaxRowsPerPass, (1 << 18) / K / kMaxRowsPerPass *
                                                                kMaxRowsPerPass);
   const int64_t tiles = N / kRows, chunks = (M + chunk - 1) / chunk;
+  if (M < 2 * kMaxRowsPerPass) {
+    // A few rows stream the weights: each thread one contiguous half, which the hardware
+    // prefetchers follow (the shared counter below cost batch-1 decode ~15%).
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) passes(w, a, t, 0, M, N, y);
+    });
+    return;
+  }
+  // Compute-bound: work items (a chunk's run of tiles, chunk by chunk) from a shared counter,
+  // so that a thread the OS preempted (the server's event loop shares the cores) does not hold
+  // up the other at the end of the region.
   const int64_t threads = at::get_num_threads();
   const int64_t per = std::max<int64_t>(1, tiles / (8 * threads));
   const int64_t groups = (tiles + per - 1) / per, items = chunks * groups;
