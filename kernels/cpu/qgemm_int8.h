@@ -9,7 +9,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -198,32 +197,16 @@ int64_t blocks_per_group(const Q8<S>& w) { return w.blocks; }
 template <typename W, typename T>
 void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
   const QuantRows a(x, M, K, blocks_per_group(w));
-  // Rows in chunks whose quantized x stays in L2 while the threads' tiles pass over it (a
-  // 4096-row prefill streamed all of it from L3 once per tile: ~15% slower at K 576).
+  // Rows in chunks whose quantized x stays in L2 while the thread's tiles pass over it (a
+  // 4096-row prefill streamed all of it from L3 once per tile: ~15% slower at K 576). Each
+  // thread takes one contiguous run of tiles: its weight reads are one stream the hardware
+  // prefetchers follow (work items from a shared counter, interleaving the threads' tiles,
+  // cost batch-1 decode ~15% and offline throughput ~5%).
   const int64_t chunk = std::max<int64_t>(kMaxRowsPerPass, (1 << 18) / K / kMaxRowsPerPass *
                                                                kMaxRowsPerPass);
-  const int64_t tiles = N / kRows, chunks = (M + chunk - 1) / chunk;
-  if (M < 2 * kMaxRowsPerPass) {
-    // A few rows stream the weights: each thread one contiguous half, which the hardware
-    // prefetchers follow (the shared counter below cost batch-1 decode ~15%).
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) passes(w, a, t, 0, M, N, y);
-    });
-    return;
-  }
-  // Compute-bound: work items (a chunk's run of tiles, chunk by chunk) from a shared counter,
-  // so that a thread the OS preempted (the server's event loop shares the cores) does not hold
-  // up the other at the end of the region.
-  const int64_t threads = at::get_num_threads();
-  const int64_t per = std::max<int64_t>(1, tiles / (8 * threads));
-  const int64_t groups = (tiles + per - 1) / per, items = chunks * groups;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      const int64_t c0 = i / groups * chunk, t0 = i % groups * per;
-      for (int64_t t = t0; t < std::min(tiles, t0 + per); ++t) {
-        passes(w, a, t, c0, std::min(M, c0 + chunk), N, y);
-      }
+  at::parallel_for(0, N / kRows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+      for (int64_t t = begin; t < end; ++t) passes(w, a, t, c0, std::min(M, c0 + chunk), N, y);
     }
   });
 }
