@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger("kvserve")
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = [SOURCE_DIR / name for name in ("kvserve_cpu_ops.cpp", "attention.cpp",
-                                          "attention_bf16.cpp", "varlen_attention.cpp",
+                                          "attention_avx512.cpp", "varlen_attention.cpp",
                                           "elementwise.cpp", "qgemm.cpp", "decoder_layer.cpp",
                                           "sampling.cpp")]
 ENV_SWITCH = "KVSERVE_CPU_OPS"

@@ -110,8 +110,8 @@ void decode_attention_for(at::Tensor& out, const at::Tensor& query, const at::Te
   } else {
     TORCH_CHECK(kind == query.scalar_type(), "decode_attention: a non-fp8 cache must have the "
                 "query's dtype");
-    if (decode_attention_bf16(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
-                              window, v_scale)) {
+    if (decode_attention_avx512(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                window, v_scale)) {
       return;
     }
     decode_attention_kernel<QT, QT>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,

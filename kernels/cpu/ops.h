@@ -14,12 +14,13 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale, int64_t sliding_window,
                       double v_scale);
-// The bfloat16-cache decode attention with AVX512-BF16 dot products (attention_bf16.cpp);
-// false (nothing done) where it does not apply: another dtype or head size, or no AVX512-BF16.
-bool decode_attention_bf16(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, double scale, int64_t window,
-                           double v_scale);
+// The float32- and bfloat16-cache decode attention in AVX-512 registers
+// (attention_avx512.cpp); false (nothing done) where it does not apply: another dtype or head
+// size, or a CPU without AVX-512 (AVX512-BF16 for the bf16 cache).
+bool decode_attention_avx512(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, double scale, int64_t window,
+                             double v_scale);
 // Attention for a mixed batch (prefill chunks and decodes) over the paged cache, in place
 // (varlen_attention.cpp); query_start_loc [num_seqs + 1] int32 delimits each sequence's rows.
 void varlen_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,

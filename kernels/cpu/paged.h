@@ -1,4 +1,4 @@
-// Helpers shared by the paged decode attention kernels (attention.cpp, attention_bf16.cpp).
+// Helpers shared by the paged decode attention kernels (attention.cpp, attention_avx512.cpp).
 #pragma once
 
 #include <algorithm>

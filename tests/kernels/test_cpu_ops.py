@@ -68,24 +68,28 @@ def test_decode_attention_matches_torch(dtype: torch.dtype, group: tuple[int, in
                    dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [(4, 4), (6, 2), (8, 1), (12, 1)])
 @pytest.mark.parametrize("block_size, window", [(16, None), (1, None), (32, 7)])
-def test_bf16_decode_attention_head_sizes(head_dim: int, group: tuple[int, int],
-                                          block_size: int, window: int | None) -> None:
-    """The bf16 cache's AVX512-BF16 kernel (attention_bf16.cpp: head sizes 64/128/256, query
-    heads per KV head below, at and above its register passes), or the generic one elsewhere."""
+def test_avx512_decode_attention_head_sizes(dtype: torch.dtype, head_dim: int,
+                                            group: tuple[int, int], block_size: int,
+                                            window: int | None) -> None:
+    """The float32 and bf16 caches' AVX-512 kernel (attention_avx512.cpp: head sizes
+    64/128/256, query heads per KV head below, at and above its register passes), or the
+    generic one elsewhere."""
     attention_case([1, 1, 1, 1], [0, 5, 40, 130], heads=group[0], kv_heads=group[1],
-                   dtype=torch.bfloat16, head_dim=head_dim, block_size=block_size,
-                   window=window)
+                   dtype=dtype, head_dim=head_dim, block_size=block_size, window=window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("contexts, window, group", [
     ([3000], None, (9, 3)), ([2600], 1100, (9, 3)), ([1500, 40], None, (8, 1)),
     ([700], 600, (9, 3)), ([1500, 40], None, (9, 3))])
-def test_bf16_decode_attention_splits_long_contexts(contexts: list[int], window: int | None,
-                                                    group: tuple[int, int]) -> None:
-    """Few sequences with long contexts split their keys over the threads (attention_bf16.cpp,
+def test_avx512_decode_attention_splits_long_contexts(dtype: torch.dtype, contexts: list[int],
+                                                      window: int | None,
+                                                      group: tuple[int, int]) -> None:
+    """Few sequences with long contexts split their keys over the threads (attention_avx512.cpp,
     key_parts: parts of at least 512 keys, unnormalised sums merged by their maxes), with 2
     threads as on CI's 2 cores: equal to the twin, with a window, and with a short sequence
     beside a long one (its parts past its context stay empty). The last two cases do not
@@ -95,7 +99,7 @@ def test_bf16_decode_attention_splits_long_contexts(contexts: list[int], window:
     torch.set_num_threads(2)
     try:
         attention_case([1] * len(contexts), contexts, heads=group[0], kv_heads=group[1],
-                       dtype=torch.bfloat16, head_dim=64, window=window, query_scale=4.0)
+                       dtype=dtype, head_dim=64, window=window, query_scale=4.0)
     finally:
         torch.set_num_threads(threads)
 
