@@ -309,6 +309,28 @@ def test_fused_layer_equals_python_layer(tiny_llama_dir: Path, quantization: str
     llm.engine.shutdown()
 
 
+def test_stack_serves_what_every_layer_serves(tiny_llama_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack's one check per step (FusedStack.serves) says what its layers' own checks
+    say: torch's int8 kernel serves up to its row crossover, above it the Python layers run."""
+    from engine.quantization.methods import Int8Method
+
+    monkeypatch.setattr(tiles, "tile_ops", lambda: None)
+    llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="int8",
+              kv_cache_memory_bytes=2**20, block_size=8)
+    runner, inputs = step_rows(llm, 2)
+    model: Any = runner.model
+    hidden = model.config.hidden_size
+    stack = model._stack(torch.empty(1, hidden))
+    limit = Int8Method.max_fused_rows
+    assert stack is not None and limit is not None and stack.max_rows == limit
+    for rows in (1, limit, limit + 1):
+        x = torch.empty(rows, hidden)
+        each = all(f.serves(x, inputs.meta) for f in stack.layers)
+        assert stack.serves(x, inputs.meta) == each == (rows <= limit), rows
+    llm.engine.shutdown()
+
+
 def greedy(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 9, 30)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, logprobs=5,
