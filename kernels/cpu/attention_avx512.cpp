@@ -38,8 +38,8 @@ struct Call {
   float scale, v_scale;
 };
 
-// What the kernel needs of an element type, per 32-wide chunk of a row (Q: a query chunk in
-// registers; dot: acc + q . the chunk at k) or per 16 elements (load as float, store).
+// What the kernel needs of an element type, per 32-wide chunk of a row (Q: a query or key
+// chunk in registers; dot: acc + q . k) or per 16 elements (load as float, store).
 template <typename T>
 struct Lanes;
 
@@ -47,9 +47,8 @@ template <>
 struct Lanes<float> {
   struct Q { __m512 lo, hi; };
   static Q load_q(const float* p) { return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; }
-  static __m512 dot(__m512 acc, const Q& q, const float* k) {
-    return _mm512_fmadd_ps(q.hi, _mm512_loadu_ps(k + 16),
-                           _mm512_fmadd_ps(q.lo, _mm512_loadu_ps(k), acc));
+  static __m512 dot(__m512 acc, const Q& q, const Q& k) {
+    return _mm512_fmadd_ps(q.hi, k.hi, _mm512_fmadd_ps(q.lo, k.lo, acc));
   }
   static __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
   static void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
@@ -62,9 +61,7 @@ struct Lanes<c10::BFloat16> {
   static Q load_q(const c10::BFloat16* p) {
     return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
   }
-  static __m512 dot(__m512 acc, const Q& q, const c10::BFloat16* k) {
-    return _mm512_dpbf16_ps(acc, q, reinterpret_cast<__m512bh>(_mm512_loadu_si512(k)));
-  }
+  static __m512 dot(__m512 acc, const Q& q, const Q& k) { return _mm512_dpbf16_ps(acc, q, k); }
   static __m512 load16(const c10::BFloat16* p) {  // 16 bf16 -> float
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -96,10 +93,12 @@ void head_scores(const Call<T>& c, int64_t s, int64_t g, int64_t first, int64_t 
     }
     for_each_slot(c.tables + s * c.bt_s0, c.block_size, first, ctx, [&](int64_t p, int64_t slot) {
       const T* kr = c.k + (slot * c.kv_heads + g) * dim;
+      typename Lanes<T>::Q k[C];  // the K row once, for every query head of the pass
+      for (int j = 0; j < C; ++j) k[j] = Lanes<T>::load_q(kr + 32 * j);
       for (int i = 0; i < H; ++i) {
         if (i >= nh) break;
-        __m512 dot = Lanes<T>::dot(_mm512_setzero_ps(), q[i][0], kr);
-        for (int j = 1; j < C; ++j) dot = Lanes<T>::dot(dot, q[i][j], kr + 32 * j);
+        __m512 dot = Lanes<T>::dot(_mm512_setzero_ps(), q[i][0], k[0]);
+        for (int j = 1; j < C; ++j) dot = Lanes<T>::dot(dot, q[i][j], k[j]);
         scores[(h0 + i) * n + p] = _mm512_reduce_add_ps(dot) * c.scale;
       }
     });
