@@ -127,7 +127,11 @@ def attention_metadata(batch: SchedulerOutput, positions: list[int], query_lens:
         token_slots = []
         for item, num in zip(batch.requests, query_lens, strict=True):
             blocks, start = item.block_ids, item.start_pos
-            token_slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + num))
+            if num == 1:
+                token_slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                token_slots.extend(blocks[p // bs] * bs + p % bs
+                                   for p in range(start, start + num))
         slots = torch.tensor(token_slots, dtype=torch.long)
     else:
         pos = torch.tensor(positions, dtype=torch.long)
