@@ -117,8 +117,44 @@ inline void block_dots(const __m512i (&ops)[8], const QuantRows& a, int64_t r0, 
   }
 }
 
+// One row of x against int4 tile t (batch-1 decode, where the kernel's instructions per
+// weight byte decide how far its reads run ahead): the high nibbles enter the dot products
+// masked in place, 16 x their value, and the low ones' sums are scaled up to meet them
+// (4 masks instead of 4 masks and 4 shifts, 2 sum chains instead of 4). Everything the
+// accumulator takes is then 16 x the general tile's, exactly (integer sums below 2^24,
+// power-of-two scaling): the mins enter times 16 and the result is divided by 16 at the end,
+// so the output equals the general tile's bit for bit.
+template <typename S, typename T>
+void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int64_t N, T* y) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const __m512 sixteen = _mm512_set1_ps(16.0f);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const S* s = w.scales(t, g);
+    const __m512 sv = load16(s), mv16 = _mm512_mul_ps(load16(s + kRows), sixteen);
+    acc = _mm512_fmadd_ps(mv16, _mm512_set1_ps(a.sums[r * a.groups + g]), acc);
+    for (int64_t b = g * w.per_group; b < (g + 1) * w.per_group; ++b) {
+      const uint8_t* p = w.block(t, b);
+      const int64_t k = b * kBlock;
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(p + 64 * j);
+        lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, low4), a.quad(r, k + 4 * j));
+        hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, high4), a.quad(r, k + 4 * (j + 4)));
+      }
+      const __m512i sum16 = _mm512_add_epi32(_mm512_slli_epi32(lo, 4), hi);
+      const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(a.da[r * a.blocks + b]));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum16), scale, acc);
+    }
+  }
+  store16(y + r * N + t * kRows, _mm512_mul_ps(acc, _mm512_set1_ps(1.0f / 16.0f)));
+}
+
 template <int R, typename S, typename T>
 void tile(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y) {
+  if constexpr (R == 1) {
+    return tile_one_row(w, a, t, r0, N, y);
+  }
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();

@@ -108,6 +108,24 @@ def test_q4_linear_paths(ops: object, rows: int, n: int, k: int, group: int) -> 
             assert (got - dense).abs().max() <= 1.5e-2 * dense.abs().max()
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k, group", [(48, 96, 32), (64, 512, 128), (96, 576, 32)])
+def test_q4_one_row_equals_its_row_in_a_batch(ops: object, scale_dtype: torch.dtype, n: int,
+                                              k: int, group: int) -> None:
+    """A single row (batch-1 decode: its own tile routine, high nibbles masked in place and
+    the sums scaled by 16) gives, bit for bit, what the same row gives inside a batch."""
+    if not ops.int8_dot_available():  # type: ignore[attr-defined]
+        pytest.skip("the int8-dot path needs AVX512-VNNI")
+    codes, scales, mins = _int4(n, k, group, seed=3)
+    qweight, scale_mins = tiles.pack_int4(codes, scales, mins, scale_dtype)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(5, k, generator=torch.Generator().manual_seed(11)) * 3).to(dtype)
+        batch = ops.q4_linear(x, qweight, scale_mins, INT8_DOT)  # type: ignore[attr-defined]
+        for i in range(5):
+            one = ops.q4_linear(x[i:i + 1], qweight, scale_mins, INT8_DOT)  # type: ignore[attr-defined]
+            assert torch.equal(one[0], batch[i]), (dtype, i)
+
+
 @pytest.mark.parametrize("rows", [1, 4, 9, 16])
 def test_q8_linear_paths(ops: object, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
