@@ -22,6 +22,7 @@ from engine.config import (
 )
 from engine.cpu_features import auto_cpu_dtype
 from engine.models.cpu_linear import PackedLinear
+from engine.quantization import tiles
 from engine.quantization.checkpoint import CheckpointCodes
 from engine.quantization.methods import (
     ApplyPlan,
@@ -54,9 +55,11 @@ def apply_plan(method: str, model_dtype: torch.dtype, device: torch.device) -> A
     kernels are fast with 16-bit activations and 5-10x slower than a float linear with float32
     ones. So 16-bit models run fused in their dtype; float32 models run fused where the CPU has
     native bf16 (kvserve's tile kernels on the float32 activations as they are, torch's kernels
-    on bfloat16 activations, the output cast back to float32), and otherwise dequantize each
-    weight to float32 before a float32 matmul. Off CPU (not tuned yet) every method
-    dequantizes.
+    on bfloat16 activations, the output cast back to float32). Without native bf16, where
+    kvserve's tile kernels were built (AVX512-VNNI: they need no bf16), a float32 model runs
+    `tiled`: the layers with the tiled layout fused on their float32 activations, any other
+    layer dequantized. Elsewhere every weight is dequantized to float32 before a float32
+    matmul. Off CPU (not tuned yet) every method dequantizes.
     """
     if device.type != "cpu":
         return ApplyPlan("dequant", model_dtype)
@@ -64,6 +67,8 @@ def apply_plan(method: str, model_dtype: torch.dtype, device: torch.device) -> A
         return ApplyPlan("fused", model_dtype)
     if auto_cpu_dtype()[0] == torch.bfloat16:
         return ApplyPlan("fused", torch.bfloat16)
+    if tiles.tile_ops() is not None:
+        return ApplyPlan("tiled", model_dtype)
     return ApplyPlan("dequant", model_dtype)
 
 
@@ -140,7 +145,7 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
     if checkpoint is not None and group_size not in INT4_GROUP_SIZES:
         plan = ApplyPlan("dequant", model_dtype)  # no fused kernel for this group size
     linear_method = make_method("int4" if checkpoint is not None else method, plan, group_size)
-    reason = probe_fused(linear_method) if plan.mode == "fused" else None
+    reason = probe_fused(linear_method) if plan.mode != "dequant" else None
     if reason is not None:
         logger.warning("--quantization %s: torch's fused %s kernel failed its startup probe "
                        "(%s); dequantizing each weight before its matmul instead (correct, "
@@ -196,7 +201,7 @@ def _quantize_lm_head(model: nn.Module, head_method: str, plan: ApplyPlan,
     if not isinstance(head, nn.Linear) or head_method == "none":
         return
     method = make_method(head_method, plan, group_size)
-    if plan.mode == "fused" and probe_fused(method) is not None:
+    if plan.mode != "dequant" and probe_fused(method) is not None:
         method = make_method(head_method, ApplyPlan("dequant", model_dtype), group_size)
     # Dequantizing a vocabulary-sized head per step costs more than the fused kernel at any
     # batch measured (64 rows: 54.6 vs 38.2 ms for SmolLM2's int8 head).
@@ -243,15 +248,17 @@ def resident_weight_bytes(model: nn.Module) -> int:
 def _linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes: int,
                   scale_bytes: int, group_size: int | None) -> int:
     """Bytes one out x in linear weight takes under `method` (float weights in the model
-    dtype, scales in the compute dtype; group_size -1: one group over the whole input)."""
+    dtype, int8 scales in the compute dtype, int4 ones in 16 bits; group_size -1: one group
+    over the whole input)."""
     if method == "none":
         return out_features * in_features * dtype_bytes
     if method == "int8":
         return out_features * in_features + out_features * scale_bytes
     group = in_features if group_size == -1 else Int4Method(
         ApplyPlan("dequant", torch.float32), group_size).layer_group_size(in_features)
+    # int4 keeps its scales and offsets in 16 bits (Int4Method.scale_dtype)
     return out_features * in_features // 2 + (in_features // group) * out_features * 2 * \
-        scale_bytes
+        min(scale_bytes, 2)
 
 
 def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,

@@ -39,7 +39,9 @@ INT4_ROW_TILE = 16
 
 @dataclass(frozen=True)
 class ApplyPlan:
-    """How a method computes: `mode` (fused or dequant) and the activations' dtype."""
+    """How a method computes: `mode` and the activations' dtype. Modes: `fused` (every layer
+    whose shape a fused kernel takes runs it), `tiled` (only the layers in kvserve's tiled
+    layout run fused, the rest dequantize) and `dequant` (every layer dequantizes)."""
 
     mode: str
     compute_dtype: torch.dtype
@@ -75,8 +77,24 @@ class LinearMethod(ABC):
     def uses_tiles(self, out_features: int, in_features: int) -> bool:
         """Whether a layer of this shape keeps kvserve's tiled layout (fused on CPU, the C++
         kernels built with AVX512-VNNI, the shape tiles)."""
-        return (self.plan.mode == "fused" and tiles.tile_ops() is not None
+        return (self.plan.mode in ("fused", "tiled") and tiles.tile_ops() is not None
                 and tiles.tiles_fit(out_features, in_features))
+
+    def runs_fused(self, out_features: int, in_features: int) -> bool:
+        """Whether a layer of this shape runs a fused kernel under the plan."""
+        if self.plan.mode == "tiled":
+            return self.uses_tiles(out_features, in_features)
+        return self.plan.mode == "fused" and self.supports_fused(out_features, in_features)
+
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype int4 keeps its group scales and offsets in (torch's kernel layout aside,
+        which takes the compute dtype): the compute dtype when it is 16-bit, else float16. A
+        GGUF block's and an AWQ/GPTQ group's scale are float16 already, so they stay exact; a
+        scale made at load rounds by 2^-11 of itself, far inside a 4-bit step; and they take
+        half the bytes of float32 ones (SmolLM2's int4 layers: 0.625 instead of 0.75 bytes a
+        weight)."""
+        dtype = self.plan.compute_dtype
+        return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float16
 
     def fused_rows_limit(self, tensors: dict[str, torch.Tensor]) -> int | None:
         """`max_fused_rows` for a layer's tensors: the tiled kernels win at every row count
@@ -186,7 +204,7 @@ class Int4Method(LinearMethod):
         if self.uses_tiles(out_features, in_features):
             mins = zeros.float() - 8.0 * scales.float()
             qweight, scale_mins = tiles.pack_int4(codes, scales.float(), mins,
-                                                  self.plan.compute_dtype)
+                                                  self.scale_dtype())
             return {"qweight": qweight, "scale_mins": scale_mins,
                     "layout_tiles": torch.empty(0, dtype=torch.uint8)}
         # [groups, out, 2]: the layout `_weight_int4pack_mm_for_cpu` reads.
@@ -198,7 +216,8 @@ class Int4Method(LinearMethod):
             packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
             layout = "nibbles"
         return {"qweight": packed.contiguous(),
-                "scale_zeros": scale_zeros.contiguous().to(self.plan.compute_dtype),
+                "scale_zeros": scale_zeros.contiguous().to(
+                    self.plan.compute_dtype if layout == "kernel" else self.scale_dtype()),
                 f"layout_{layout}": torch.empty(0, dtype=torch.uint8)}
 
     def unpack_codes(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -224,7 +243,7 @@ class Int4Method(LinearMethod):
             out_features, in_features = codes.shape
             grouped = codes.reshape(out_features, scales.shape[1], -1).float()
             w = grouped * scales.float()[..., None] + mins.float()[..., None]
-            return w.reshape(out_features, in_features).to(scales.dtype)
+            return w.reshape(out_features, in_features).to(self.plan.compute_dtype)
         scale_zeros = tensors["scale_zeros"]
         codes = self.unpack_codes(tensors)  # [out, in]
         groups = scale_zeros.shape[0]
@@ -232,7 +251,7 @@ class Int4Method(LinearMethod):
         scales = scale_zeros[..., 0].t().float()[..., None]  # [out, groups, 1]
         zeros = scale_zeros[..., 1].t().float()[..., None]
         w = (codes.reshape(out_features, groups, -1).float() - 8.0) * scales + zeros
-        return w.reshape(out_features, in_features).to(scale_zeros.dtype)
+        return w.reshape(out_features, in_features).to(self.plan.compute_dtype)
 
     def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         if "layout_tiles" in tensors:
@@ -254,8 +273,7 @@ class QuantizedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.method = method
-        self.fused = method.plan.mode == "fused" and method.supports_fused(
-            self.out_features, self.in_features)
+        self.fused = method.runs_fused(self.out_features, self.in_features)
         self._names: list[str] = []
         if tensors is None:
             tensors = method.create_weights(linear.weight.detach())

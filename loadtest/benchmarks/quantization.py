@@ -217,7 +217,7 @@ def run(ctx: SuiteContext) -> dict[str, Any]:
                                      .vocab_size)
     prompts = PROMPTS[:w.num_prompts]
     cpu = cpu_info()
-    cheap = cpu["float32_quantized_plan"].startswith("fused")
+    cheap = cpu["float32_quantized_plan"].startswith(("fused", "tiled"))
     runs = RUNS + (OPTIONAL if cheap else ())
     rows = [measure_run(m, d, ctx, w, text, decode_prompts, prompts) for m, d in runs]
     summarize(rows)

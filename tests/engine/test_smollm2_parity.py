@@ -1,5 +1,10 @@
 """The embedded SmolLM2-135M (GGUF, float32) against transformers loading the same GGUF.
 
+Both sides dequantize the file (`quantization="none"`): this holds the model's arithmetic to
+transformers'. Where the Q4 blocks run in place (the default wherever int4 runs fused, which
+quantizes the activations to int8 too) test_gguf_in_place.py and test_smollm2_quality hold
+the result to this reference.
+
 A real model has near-ties, so a sequence may diverge only where each side's token is in the
 other's top 5, and is compared no further (vLLM's check_logprobs_close rule); at most 1 in 6
 sequences may diverge at all.
@@ -81,7 +86,7 @@ def count_divergences(ours: list[tuple[list[int], list[list[int]]]],
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_smollm2_matches_transformers(config_name: str, smol_prompts: list[list[int]],
                                       reference: list[GreedyTrace]) -> None:
-    llm = LLM(None, dtype="float32", **CONFIGS[config_name])
+    llm = LLM(None, dtype="float32", quantization="none", **CONFIGS[config_name])
     outs = llm.generate([{"prompt_token_ids": p} for p in smol_prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5),
                         use_tqdm=False)
