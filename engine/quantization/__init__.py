@@ -147,14 +147,14 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
     linear_method = make_method("int4" if checkpoint is not None else method, plan, group_size)
     reason = probe_fused(linear_method) if plan.mode != "dequant" else None
     if reason is not None:
-        logger.warning("--quantization %s: torch's fused %s kernel failed its startup probe "
+        logger.warning("--quantization %s: the fused %s kernel failed its startup probe "
                        "(%s); dequantizing each weight before its matmul instead (correct, "
                        "slower)", method, method, reason)
         plan = ApplyPlan("dequant", model_dtype)
         linear_method = make_method(linear_method.name, plan, group_size)
     elif plan.mode == "dequant" and device.type == "cpu":
-        logger.warning("--quantization %s on a %s model without native bf16 on this CPU: "
-                       "weights are dequantized before each matmul, which saves memory but "
+        logger.warning("--quantization %s on a %s model without native bf16 or AVX512-VNNI "
+                       "on this CPU: weights are dequantized before each matmul, which saves memory but "
                        "decodes slower than the unquantized model (README, weight-only "
                        "quantization)", method, str(model_dtype).removeprefix("torch."))
     targets = [(name, module) for name, module in model.named_modules()
