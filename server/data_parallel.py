@@ -47,7 +47,7 @@ from server.dp_routing import Balancer, prefix_keys, prompt_text
 from server.errors import APIError, error_middleware
 from server.router_api import connect_address
 from server.routes import DONE, sse_event
-from server.serve import _bound_port, _install_signal_handlers, is_loopback
+from server.serve import _install_signal_handlers, bind_sockets, is_loopback, start_sites
 from server.state import CONFIG, STATE, ServerConfig, ServerState
 
 logger = logging.getLogger("kvserve")
@@ -319,6 +319,7 @@ def run_data_parallel(config: ServerConfig, size: int, argv: list[str],
 async def _serve(config: ServerConfig, size: int, argv: list[str],
                  num_threads: int | None) -> int:
     config.validate()
+    socks = bind_sockets(config.host, config.port)  # before the replicas take ports of their own
     replicas = start_replicas(replica_argv(argv, config), size, num_threads)
     front = Front(replicas, Balancer(size))
     stop = asyncio.Event()
@@ -343,10 +344,9 @@ async def _serve(config: ServerConfig, size: int, argv: list[str],
                                    max_field_size=MAX_HEADER_FIELD_BYTES,
                                    max_headers=MAX_HEADERS)
             await runner.setup()
-            site = web.TCPSite(runner, config.host, config.port)
-            await site.start()
+            port = await start_sites(runner, socks)
             logger.info("kvserve (data parallel, %d replicas) is listening on http://%s:%d",
-                        size, config.host, _bound_port(site))
+                        size, config.host, port)
             if not config.api_key and not is_loopback(config.host):
                 logger.warning("listening on %s, which is not a loopback address, without "
                                "--api-key", config.host)
@@ -361,6 +361,8 @@ async def _serve(config: ServerConfig, size: int, argv: list[str],
     finally:
         if runner is not None:
             await runner.cleanup()
+        for sock in socks:
+            sock.close()
         terminate_all(replicas)
         await reap(replicas, config.shutdown_timeout + 5.0)
     logger.info("kvserve (data parallel) stopped; every replica reaped")

@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -46,15 +47,26 @@ def run_serve(config: ServerConfig, engine_args: EngineArgs) -> int:
 
 async def serve(config: ServerConfig, engine_args: EngineArgs) -> int:
     """Starts the app, waits for a signal, drains, and cleans up."""
+    # The address is bound before the engine starts: tensor-parallel ranks open TCP sockets of
+    # their own, and one could otherwise take a --port in the ephemeral range first.
+    socks = bind_sockets(config.host, config.port)
+    try:
+        return await _serve_on(socks, config, engine_args)
+    finally:
+        for sock in socks:  # closed already when the server ran; not when the engine failed
+            sock.close()
+
+
+async def _serve_on(socks: list[socket.socket], config: ServerConfig,
+                    engine_args: EngineArgs) -> int:
     app = create_app(config, engine_args)
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            handler_cancellation=True, shutdown_timeout=1.0,
                            max_line_size=MAX_HEADER_LINE_BYTES,
                            max_field_size=MAX_HEADER_FIELD_BYTES, max_headers=MAX_HEADERS)
     await runner.setup()  # builds the engine: loads weights, logs the capacity lines
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    logger.info("kvserve is listening on http://%s:%d", config.host, _bound_port(site))
+    port = await start_sites(runner, socks)
+    logger.info("kvserve is listening on http://%s:%d", config.host, port)
     if not config.api_key and not is_loopback(config.host):
         logger.warning("listening on %s, which is not a loopback address, without --api-key: "
                        "anyone who can reach this port can use the model", config.host)
@@ -91,10 +103,47 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _bound_port(site: web.TCPSite) -> int:
-    server = site._server  # port 0 means "any": report the one the OS chose
-    sockets = getattr(server, "sockets", None) or []
-    return int(sockets[0].getsockname()[1]) if sockets else site._port
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Binds every address `host` resolves to, without listening yet: the port is ours, and a
+    client that connects before the server starts is refused rather than left waiting. Port 0
+    takes the port the OS gives the first address for the others too. A ValueError says which
+    address could not be bound (the command line prints it and exits 2)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r} does not resolve: {exc}") from None
+    socks: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address[0]) in seen:
+                continue
+            seen.add((family, address[0]))
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # "::" and "0.0.0.0" side by side, as aiohttp does
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(socks) > 1:
+                address = (address[0], socks[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise ValueError(f"cannot listen on {address[0]} port {address[1]}: "
+                                 f"{exc.strerror or exc}") from None
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+async def start_sites(runner: web.AppRunner, socks: list[socket.socket]) -> int:
+    """Serves `runner` on the sockets bind_sockets returned; returns the bound port."""
+    for sock in socks:
+        await web.SockSite(runner, sock).start()
+    return int(socks[0].getsockname()[1])
 
 
 def _install_signal_handlers(stop: asyncio.Event) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import re
+import socket
+import time
 from pathlib import Path
 
 import pytest
 
 from server.cli import main
+from server.serve import bind_sockets
 
 
 def test_generate_prints_text_and_a_summary(tiny_llama_dir: Path,
@@ -47,3 +51,34 @@ def test_max_model_len_that_does_not_fit_names_the_flag(tiny_llama_dir: Path,
     assert code == 2
     err = capsys.readouterr().err
     assert "--max-model-len" in err and "128" in err
+
+
+def test_serve_on_a_port_in_use_fails_before_loading_the_model(
+        tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        code = main(["serve", str(tiny_llama_dir), "--host", "127.0.0.1", "--port", str(port),
+                     "--dtype", "float32"])
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1 port {port}" in capsys.readouterr().err
+    assert time.monotonic() - started < 5.0  # no engine was built
+
+
+def test_bound_address_is_reserved_and_refuses_clients_until_served() -> None:
+    """bind_sockets holds the port from before the engine starts (no other socket, a tensor-
+    parallel rank's included, can take it), while a client that connects early is refused
+    rather than left hanging on a server that is still loading."""
+    socks = bind_sockets("127.0.0.1", 0)
+    try:
+        port = socks[0].getsockname()[1]
+        with socket.socket() as other, pytest.raises(OSError) as bind_error:
+            other.bind(("127.0.0.1", port))
+        assert bind_error.value.errno == errno.EADDRINUSE
+        with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+            client.connect(("127.0.0.1", port))
+    finally:
+        for sock in socks:
+            sock.close()
