@@ -130,7 +130,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             try:
                 sock.bind(address)
             except OSError as exc:
-                raise ValueError(f"cannot listen on {address[0]} port {address[1]}: "
+                raise ValueError(f"cannot listen on {address[0]!s} port {address[1]!s}: "
                                  f"{exc.strerror or exc}") from None
     except BaseException:
         for sock in socks:
