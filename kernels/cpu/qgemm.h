@@ -19,7 +19,9 @@ namespace qgemm {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 16;      // output rows per tile
-constexpr int kMaxRowsPerPass = 8;  // rows of x sharing one unpacking of a weight block
+constexpr int kMaxRowsPerPass = 8;  // int8 weights: rows of x per pass over a tile
+constexpr int kQ4RowsPerPass = 6;   // int4 weights: rows of x per pass over two tiles
+constexpr int kChunkRows = 24;      // row chunks are whole passes of either
 enum Path : int64_t { kAuto = 0, kFloat = 1, kInt8Dot = 2 };
 
 template <typename S>

@@ -126,6 +126,27 @@ def test_q4_one_row_equals_its_row_in_a_batch(ops: object, scale_dtype: torch.dt
             assert torch.equal(one[0], batch[i]), (dtype, i)
 
 
+@pytest.mark.parametrize("n", [48, 80])  # 3 and 5 tiles: pairs and a single in one thread
+def test_q4_output_does_not_depend_on_the_thread_count(ops: object, n: int) -> None:
+    """Tiles run in pairs where a thread holds two (an odd one alone): how the threads split
+    the tiles changes which, never a bit of the output."""
+    if not ops.int8_dot_available():  # type: ignore[attr-defined]
+        pytest.skip("the int8-dot path needs AVX512-VNNI")
+    codes, scales, mins = _int4(n, 96, 32, seed=5)
+    qweight, scale_mins = tiles.pack_int4(codes, scales, mins, torch.float16)
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(2)) * 2
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for num in (1, 2, 3, 5):
+            torch.set_num_threads(num)
+            outs.append(ops.q4_linear(x, qweight, scale_mins, INT8_DOT))  # type: ignore[attr-defined]
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 @pytest.mark.parametrize("rows", [1, 4, 9, 16])
 def test_q8_linear_paths(ops: object, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
