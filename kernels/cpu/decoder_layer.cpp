@@ -18,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "ops.h"
@@ -26,6 +27,10 @@ namespace kvserve {
 namespace {
 
 constexpr int64_t kSlots = 3;  // tensors per linear in `linears`
+// Rows per MLP call. A 7,424-token prefill's gate/up output alone is 91 MB: a buffer that large
+// is fresh memory from the OS on every call, and its page faults took ~15% of such a step
+// (Xeon, SmolLM2 GGUF). Chunks of 512 rows (6 MB) reuse memory the allocator keeps.
+constexpr int64_t kMlpRows = 512;
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias) {
@@ -107,8 +112,12 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
   }
   at::Tensor o = linear(attn.view({rows, q_size}), 1, kinds, params, linears);
   add_rms_norm_(o, x, norm2, eps);  // x += o; o = norm(x)
-  at::Tensor act = silu_and_mul(linear(o, 2, kinds, params, linears));
-  x.add_(linear(act, 3, kinds, params, linears));
+  // The MLP a chunk of rows at a time (each row's result is the same as in one call).
+  for (int64_t r0 = 0; r0 < rows; r0 += kMlpRows) {
+    const int64_t n = std::min(kMlpRows, rows - r0);
+    at::Tensor act = silu_and_mul(linear(o.narrow(0, r0, n), 2, kinds, params, linears));
+    x.narrow(0, r0, n).add_(linear(act, 3, kinds, params, linears));
+  }
 }
 
 void DecoderStack::add_layer(at::Tensor norm1, at::Tensor norm2, double eps,
