@@ -112,6 +112,11 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
   }
   at::Tensor o = linear(attn.view({rows, q_size}), 1, kinds, params, linears);
   add_rms_norm_(o, x, norm2, eps);  // x += o; o = norm(x)
+  if (rows <= kMlpRows) {  // one call, without the views
+    at::Tensor act = silu_and_mul(linear(o, 2, kinds, params, linears));
+    x.add_(linear(act, 3, kinds, params, linears));
+    return;
+  }
   // The MLP a chunk of rows at a time (each row's result is the same as in one call).
   for (int64_t r0 = 0; r0 < rows; r0 += kMlpRows) {
     const int64_t n = std::min(kMlpRows, rows - r0);
