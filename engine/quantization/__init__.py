@@ -145,14 +145,14 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
     if checkpoint is not None and group_size not in INT4_GROUP_SIZES:
         plan = ApplyPlan("dequant", model_dtype)  # no fused kernel for this group size
     linear_method = make_method("int4" if checkpoint is not None else method, plan, group_size)
-    reason = probe_fused(linear_method) if plan.mode != "dequant" else None
+    reason = probe_fused(linear_method) if plan.fuses else None
     if reason is not None:
         logger.warning("--quantization %s: the fused %s kernel failed its startup probe "
                        "(%s); dequantizing each weight before its matmul instead (correct, "
                        "slower)", method, method, reason)
         plan = ApplyPlan("dequant", model_dtype)
         linear_method = make_method(linear_method.name, plan, group_size)
-    elif plan.mode == "dequant" and device.type == "cpu":
+    elif not plan.fuses and device.type == "cpu":
         logger.warning("--quantization %s on a %s model without native bf16 or AVX512-VNNI "
                        "on this CPU: weights are dequantized before each matmul, which saves memory but "
                        "decodes slower than the unquantized model (README, weight-only "
@@ -201,7 +201,7 @@ def _quantize_lm_head(model: nn.Module, head_method: str, plan: ApplyPlan,
     if not isinstance(head, nn.Linear) or head_method == "none":
         return
     method = make_method(head_method, plan, group_size)
-    if plan.mode != "dequant" and probe_fused(method) is not None:
+    if plan.fuses and probe_fused(method) is not None:
         method = make_method(head_method, ApplyPlan("dequant", model_dtype), group_size)
     # Dequantizing a vocabulary-sized head per step costs more than the fused kernel at any
     # batch measured (64 rows: 54.6 vs 38.2 ms for SmolLM2's int8 head).

@@ -46,6 +46,11 @@ class ApplyPlan:
     mode: str
     compute_dtype: torch.dtype
 
+    @property
+    def fuses(self) -> bool:
+        """Whether any layer may run a fused kernel (`fused` or `tiled`)."""
+        return self.mode != "dequant"
+
 
 class LinearMethod(ABC):
     """One weight format: how it is made from a float weight, applied and dequantized."""

@@ -84,7 +84,7 @@ class ModelRunner:
             logger.info("--dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."),
                         why)
         # A GGUF file's Q4 blocks stay in place by default where int4 runs fused (one rank).
-        in_place = (apply_plan("int4", self.dtype, self.device).mode != "dequant"
+        in_place = (apply_plan("int4", self.dtype, self.device).fuses
                     and getattr(self.args, "tensor_parallel_size", 1) == 1
                     and getattr(self.args, "pipeline_parallel_size", 1) == 1)
         quantization = effective_quantization(self.args.quantization, self.config,
