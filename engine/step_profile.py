@@ -15,7 +15,7 @@ import time
 
 from engine.config import EngineArgs
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.core.step_budget import AdaptiveStepBudget
+from engine.core.step_budget import MIN_CHUNK_TOKENS, AdaptiveStepBudget
 from engine.core.step_cost import batch_features
 from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import ModelRunner
@@ -23,23 +23,36 @@ from engine.worker.model_runner import ModelRunner
 logger = logging.getLogger("kvserve")
 
 PROFILE_TIME_LIMIT_S = 10.0
+# How deep into a prompt the profile's deep steps are: the chunk costs that matter are those
+# of long prompts, and a fit anchored at 1,024 extrapolated badly to 8,000.
+DEEP_CONTEXT = 4096
+# Each shape is timed this many times; the fastest counts (a step slowed by another process
+# is not the hardware's cost).
+PROFILE_REPEATS = 2
 _PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 Shape = tuple[tuple[int, ...], int, int]  # decode contexts, chunk tokens, chunk start
 
 
 def profile_shapes(room: int, max_num_seqs: int) -> list[Shape]:
     """Steps to time within `room` tokens of context: one and several decodes, two chunk
-    sizes at context 0, a chunk and decodes deep into a prompt (identifies each cost term)."""
+    sizes at context 0, two chunk sizes and decodes deep into a prompt. Each cost term needs
+    shapes that move it apart from the others: a chunk's cost deep in a prompt is a part that
+    grows with its context alone (reading it) and a part that grows with its tokens x context
+    (their attention), and one deep chunk size cannot tell them apart. (With one, the fit once
+    put the whole of it on the context: it then saw even a 4-token chunk at context 4,000 as
+    past the step's limit and took 128-token chunks there, 480 ms steps beside 36 ms decodes.)"""
     if room < 32:
         return []
     short = 16
     chunks = (min(32, room // 4), min(128, room // 2))
-    deep = min(1024, room - chunks[0]) // 16 * 16
+    deep_chunks = (MIN_CHUNK_TOKENS * 2, 64)
+    deep = min(DEEP_CONTEXT, room - deep_chunks[1]) // 16 * 16
     many = min(8, max_num_seqs)
     shapes: list[Shape] = [((short,), 0, 0), ((short,) * many, 0, 0),
                            ((short,), chunks[0], 0), ((short,), chunks[1], 0)]
     if deep >= 2 * chunks[0]:
-        shapes += [((short,), chunks[0], deep), ((deep,) * min(4, max_num_seqs), 0, 0)]
+        shapes += [((short,), deep_chunks[0], deep), ((short,), deep_chunks[1], deep),
+                   ((deep,) * min(4, max_num_seqs), 0, 0)]
     return shapes
 
 
@@ -57,8 +70,9 @@ def shape_batch(shape: Shape, block_size: int) -> SchedulerOutput:
 
 def profile_step_costs(runner: ModelRunner, budget: AdaptiveStepBudget, num_blocks: int,
                        max_model_len: int, max_num_seqs: int) -> None:
-    """Times each profile shape once (after one untimed warm-up step) into the budget's cost
-    model as anchors; stops early past PROFILE_TIME_LIMIT_S."""
+    """Times each profile shape PROFILE_REPEATS times (after one untimed warm-up step) into the
+    budget's cost model as anchors, the fastest of each; stops early past
+    PROFILE_TIME_LIMIT_S."""
     room = min(num_blocks * runner.block_size, max_model_len)
     shapes = profile_shapes(room, max_num_seqs)
     if not shapes:
@@ -69,9 +83,12 @@ def profile_step_costs(runner: ModelRunner, budget: AdaptiveStepBudget, num_bloc
     ids = {r.request_id for r in warm_up.requests}
     for shape in shapes:
         batch = shape_batch(shape, runner.block_size)
-        started = time.perf_counter()
-        runner.execute(batch)
-        budget.model.add_anchor(batch_features(batch), time.perf_counter() - started)
+        times = []
+        for _ in range(PROFILE_REPEATS):
+            started = time.perf_counter()
+            runner.execute(batch)
+            times.append(time.perf_counter() - started)
+        budget.model.add_anchor(batch_features(batch), min(times))
         ids.update(r.request_id for r in batch.requests)
         if time.perf_counter() > deadline:
             break

@@ -7,6 +7,7 @@ the chunk the budget picks can be checked against the cost it must stay under.
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.core.step_budget import MIN_CHUNK_TOKENS, AdaptiveStepBudget
 from engine.core.step_cost import StepCostModel, batch_features, step_features
 from engine.sampling_params import SamplingParams
+from engine.step_profile import profile_shapes, shape_batch
 
 # The fake hardware: 20 ms a step, 1 ms a token, 2 ms a decode row, 1 µs per context token
 # read by a decode, 5 µs per prefill context token, 0.1 µs per prefill query x context.
@@ -183,6 +185,33 @@ def test_a_chunk_is_never_smaller_than_what_amortizes_reading_its_prefix() -> No
     assert 150 <= deep <= 176 and deep % 16 == 0
     # 2 ms fixed: the least chunk keeps the pace, so the largest that does (~13 tokens)
     assert 8 < budget.chunk_tokens([64], 20) < 16
+
+
+def test_the_startup_profile_tells_a_chunks_context_read_from_its_attention() -> None:
+    """The profile's shapes, timed on a hardware like a 2-core CPU serving SmolLM2 (a 35 ms
+    decode step; a chunk deep in a prompt costs 2.5 µs per context token read plus 0.6 µs per
+    query x context) with a few percent of noise per measurement: the fit must tell the two
+    deep terms apart, so the chunk it picks deep into an 8k prompt keeps the step near its
+    limit instead of far past it (one deep chunk size put the whole cost on the context read
+    and picked 128-token chunks there)."""
+    coef = (30e-3, 0.9e-3, 0.5e-3, 1.5e-6, 2.5e-6, 0.6e-6)
+
+    def hardware(features: tuple[float, ...]) -> float:
+        return sum(c * x for c, x in zip(coef, features, strict=True))
+
+    rng = random.Random(0)
+    for _ in range(20):
+        model = StepCostModel()
+        for shape in profile_shapes(8192, 64):
+            features = batch_features(shape_batch(shape, 16))
+            model.add_anchor(features, hardware(features) * rng.uniform(0.97, 1.03))
+        budget = AdaptiveStepBudget(8192, block_size=16, multiple=2.5, model=model)
+        for context in (2000, 4000, 7800):
+            chunk = budget.chunk_tokens([40] * 4, context)
+            alone = hardware(step_features([(1, 40)] * 4))
+            step = hardware(step_features([(1, 40)] * 4 + [(chunk, context + chunk)]))
+            assert step <= 2.5 * 1.15 * alone, (context, chunk, step / alone)
+            assert step >= 2.5 * 0.7 * alone or chunk == MIN_CHUNK_TOKENS, (context, chunk)
 
 
 def test_before_any_measurement_the_chunk_falls_back_to_a_fixed_size() -> None:
