@@ -42,6 +42,39 @@ inline void for_each_slot(const int32_t* table_row, int64_t block_size, int64_t 
   }
 }
 
+// Asks for block `block`'s rows (its `block_bytes` in `cache` and in `cache2`) into L2.
+inline void prefetch_block(const char* cache, const char* cache2, int64_t block,
+                           int64_t block_bytes) {
+  const int64_t at = block * block_bytes;
+  for (int64_t off = 0; off < block_bytes; off += 64) {
+    __builtin_prefetch(cache + at + off, 0, 2);
+    __builtin_prefetch(cache2 + at + off, 0, 2);
+  }
+}
+
+// for_each_slot that also asks for the cache rows of the block `ahead` blocks on (all of its
+// `block_bytes` from `cache` and from `cache2`, into L2) before each block's slots, when `cache`
+// is given (the first block asks for the blocks up to `ahead`). A decode item reads its heads'
+// part of each row, a few lines of every row; from a cold cache those reads waited on memory
+// one by one (64 sequences at context 150 over 30 layers: 35-40 ms cold against 18 ms warm).
+template <typename Fn>
+inline void for_each_slot_ahead(const int32_t* table_row, int64_t block_size, int64_t first,
+                                int64_t end, const char* cache, const char* cache2,
+                                int64_t block_bytes, int64_t ahead, Fn&& fn) {
+  if (cache == nullptr) return for_each_slot(table_row, block_size, first, end, fn);
+  const int64_t first_block = first / block_size, last_block = (end - 1) / block_size;
+  for (int64_t b = first_block; b * block_size < end; ++b) {
+    const int64_t from = b == first_block ? b + 1 : b + ahead;
+    for (int64_t n = from; n <= std::min(last_block, b + ahead); ++n) {
+      prefetch_block(cache, cache2, table_row[n], block_bytes);
+    }
+    const int64_t start = b * block_size, base = static_cast<int64_t>(table_row[b]) * block_size;
+    for (int64_t pos = std::max(first, start); pos < std::min(end, start + block_size); ++pos) {
+      fn(pos - first, base + pos - start);
+    }
+  }
+}
+
 // Work items of a decode attention call: a sequence's KV heads in `chunks` runs of
 // `per_chunk`, each item reading its heads' part of every cache row once (one contiguous run
 // per token). One run per sequence when there are enough sequences to keep the threads busy;
