@@ -31,7 +31,6 @@ NUM_FEATURES = len(FEATURE_SCALES)
 HUBER_RELATIVE = 0.25
 # The weight a profile step keeps once the recent window is full (1.0 while it is empty).
 ANCHOR_MIN_WEIGHT = 0.05
-_SWEEPS = 200
 Features = tuple[float, ...]
 
 
@@ -134,18 +133,21 @@ class StepCostModel:
         fill = len(self._recent) / (self._recent.maxlen or 1)
         prior = [max(ANCHOR_MIN_WEIGHT, 1.0 - fill)] * len(self._anchors)
         weights = prior + [1.0] * len(self._recent)
-        coef = _weighted_nnls(rows, targets, weights, self._coef)
+        coef = _weighted_nnls(rows, targets, weights)
         for i, (row, t) in enumerate(zip(rows, targets, strict=True)):
             residual = abs(sum(c * x for c, x in zip(coef, row, strict=True)) - t) / t
             if residual > HUBER_RELATIVE:
                 weights[i] *= HUBER_RELATIVE / residual
-        return _weighted_nnls(rows, targets, weights, coef)
+        return _weighted_nnls(rows, targets, weights)
 
 
 def _weighted_nnls(rows: Sequence[Sequence[float]], targets: Sequence[float],
-                   weights: Sequence[float], start: Sequence[float] | None) -> list[float]:
-    """min sum w (x.c / t - 1)^2 over c >= 0, by cyclic coordinate descent on the normal
-    equations with unit diagonal (a tiny ridge keeps unused features at zero)."""
+                   weights: Sequence[float]) -> list[float]:
+    """min sum w (x.c / t - 1)^2 over c >= 0: Lawson-Hanson's active set on the normal
+    equations, scaled to a unit diagonal (a tiny ridge keeps unused features at zero). Exact in
+    a few passes of a 6x6 solve (~0.3 ms): cyclic coordinate descent took its full 200 sweeps
+    on these ill-conditioned features, ~3 ms a fit and two fits a step on the event loop while
+    a long prompt is chunked."""
     n = NUM_FEATURES
     gram = [[0.0] * n for _ in range(n)]
     rhs = [0.0] * n
@@ -157,18 +159,54 @@ def _weighted_nnls(rows: Sequence[Sequence[float]], targets: Sequence[float],
                 for k in range(j, n):
                     gram[j][k] += w * r[j] * r[k]
     scale = [math.sqrt(gram[j][j]) if gram[j][j] > 0 else 0.0 for j in range(n)]
-    coef = [0.0] * n if start is None else [c * s for c, s in zip(start, scale, strict=True)]
-    for _ in range(_SWEEPS):
-        change = 0.0
-        for j in range(n):
-            if not scale[j]:
-                coef[j] = 0.0
-                continue
-            dot = sum((gram[min(j, k)][max(j, k)] / (scale[j] * scale[k])) * coef[k]
-                      for k in range(n) if k != j and scale[k])
-            value = max(0.0, (rhs[j] / scale[j] - dot) / (1.0 + 1e-9))
-            change = max(change, abs(value - coef[j]))
-            coef[j] = value
-        if change < 1e-9:
+    used = [j for j in range(n) if scale[j]]
+    a = {(j, k): gram[min(j, k)][max(j, k)] / (scale[j] * scale[k]) + (1e-9 if j == k else 0.0)
+         for j in used for k in used}
+    b = {j: rhs[j] / scale[j] for j in used}
+    x = dict.fromkeys(used, 0.0)
+    active: list[int] = []
+    for _ in range(3 * n):
+        grad = {j: b[j] - sum(a[j, k] * x[k] for k in used) for j in used}
+        free = [j for j in used if j not in active and grad[j] > 1e-12]
+        if not free:
             break
-    return [c / s if s else 0.0 for c, s in zip(coef, scale, strict=True)]
+        active.append(max(free, key=lambda j: grad[j]))
+        for _ in range(3 * n):
+            z = _solve([[a[j, k] for k in active] for j in active], [b[j] for j in active])
+            if all(v > 0 for v in z):
+                for j, v in zip(active, z, strict=True):
+                    x[j] = v
+                break
+            # step from x toward z until a coefficient reaches zero; drop those at zero
+            alpha = min(x[j] / (x[j] - v) for j, v in zip(active, z, strict=True) if v <= 0)
+            for j, v in zip(active, z, strict=True):
+                x[j] += alpha * (v - x[j])
+            active = [j for j in active if x[j] > 1e-15]
+            for j in used:
+                if j not in active:
+                    x[j] = 0.0
+            if not active:
+                break
+    return [x[j] / scale[j] if scale[j] else 0.0 for j in range(n)]
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """a x = b for a small symmetric positive definite a (Gaussian elimination with partial
+    pivoting)."""
+    n = len(b)
+    m = [row[:] + [rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0.0:
+            continue
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            if f:
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        acc = m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))
+        x[r] = acc / m[r][r] if m[r][r] else 0.0
+    return x

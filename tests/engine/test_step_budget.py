@@ -293,3 +293,44 @@ def test_engine_without_the_flag_is_adaptive_and_says_so(
     finally:
         engine.shutdown()
     assert "Token budget per step: 64 tokens (--max-num-batched-tokens: fixed" in caplog.text
+
+
+def test_the_fit_is_the_exact_non_negative_least_squares_solution() -> None:
+    """Against a brute force over every set of zero coefficients (numpy's least squares on the
+    rest), on steps whose best unconstrained fit has negative terms."""
+    np = pytest.importorskip("numpy")
+    from engine.core.step_cost import FEATURE_SCALES, _weighted_nnls
+
+    rng = random.Random(52)
+    rows, targets = [], []
+    for _ in range(40):
+        shape = [(1, rng.randint(16, 3000))] * rng.randint(1, 8)
+        if rng.random() < 0.6:
+            q = rng.randint(2, 256)
+            shape.append((q, q + rng.randint(0, 4000)))
+        features = step_features(shape)
+        rows.append([x / s for x, s in zip(features, FEATURE_SCALES, strict=True)])
+        # mixed signs: some best unconstrained coefficients are negative, and a term the
+        # active set takes in must be let go again (these seeds and terms make it so)
+        targets.append(max(1e-3, 0.02 - 1e-3 * features[1] + 8.2e-4 * features[2]
+                           + 4.3e-7 * features[3] - 2.6e-6 * features[4]
+                           + 5.8e-7 * features[5] + rng.uniform(0, 0.004)))
+    weights = [rng.uniform(0.2, 1.0) for _ in rows]
+    a = np.array(rows) / np.array(targets)[:, None] * np.sqrt(weights)[:, None]
+    b = np.sqrt(weights)
+
+    def objective(c: np.ndarray) -> float:
+        return float(((a @ c - b) ** 2).sum())
+
+    best = None
+    n = a.shape[1]
+    for mask in range(1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        c = np.zeros(n)
+        if cols:
+            c[cols] = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+        if (c >= 0).all() and (best is None or objective(c) < objective(best)):
+            best = c
+    ours = np.array(_weighted_nnls(rows, targets, weights))
+    assert (ours >= 0).all()
+    assert objective(ours) <= objective(best) * (1 + 1e-6)
