@@ -30,11 +30,16 @@ inline float exp_nonpositive(float x) {
 }
 
 // Calls fn(index from `first`, cache slot) for positions first..end-1 of a sequence whose
-// blocks `table_row` lists: block by block, no division per position.
-template <typename Fn>
+// blocks `table_row` lists: block by block, no division per position; on_block(b) runs before
+// block b's slots.
+struct NoBlockHook {
+  void operator()(int64_t) const {}
+};
+template <typename Fn, typename OnBlock = NoBlockHook>
 inline void for_each_slot(const int32_t* table_row, int64_t block_size, int64_t first,
-                          int64_t end, Fn&& fn) {
+                          int64_t end, Fn&& fn, OnBlock&& on_block = {}) {
   for (int64_t b = first / block_size; b * block_size < end; ++b) {
+    on_block(b);
     const int64_t start = b * block_size, base = static_cast<int64_t>(table_row[b]) * block_size;
     for (int64_t pos = std::max(first, start); pos < std::min(end, start + block_size); ++pos) {
       fn(pos - first, base + pos - start);
@@ -63,16 +68,12 @@ inline void for_each_slot_ahead(const int32_t* table_row, int64_t block_size, in
                                 int64_t block_bytes, int64_t ahead, Fn&& fn) {
   if (cache == nullptr) return for_each_slot(table_row, block_size, first, end, fn);
   const int64_t first_block = first / block_size, last_block = (end - 1) / block_size;
-  for (int64_t b = first_block; b * block_size < end; ++b) {
-    const int64_t from = b == first_block ? b + 1 : b + ahead;
-    for (int64_t n = from; n <= std::min(last_block, b + ahead); ++n) {
+  for_each_slot(table_row, block_size, first, end, fn, [&](int64_t b) {
+    for (int64_t n = b == first_block ? b + 1 : b + ahead; n <= std::min(last_block, b + ahead);
+         ++n) {
       prefetch_block(cache, cache2, table_row[n], block_bytes);
     }
-    const int64_t start = b * block_size, base = static_cast<int64_t>(table_row[b]) * block_size;
-    for (int64_t pos = std::max(first, start); pos < std::min(end, start + block_size); ++pos) {
-      fn(pos - first, base + pos - start);
-    }
-  }
+  });
 }
 
 // Work items of a decode attention call: a sequence's KV heads in `chunks` runs of
