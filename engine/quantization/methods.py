@@ -333,9 +333,10 @@ class Int8Embedding(nn.Module):
         """[num_tokens] ids -> [num_tokens, hidden] in the model dtype."""
         head = self.head[0]
         tensors = head.tensors()
-        if "layout_tiles" in tensors:
-            codes = tiles.int8_rows(tensors["qweight"], input_ids)
-        else:
-            codes = tensors["qweight"].index_select(0, input_ids)
+        if "layout_tiles" in tensors:  # the tiles exist where the CPU ops are loaded
+            # one op instead of ~10 torch calls (0.12 ms of a 4.4 ms batch-1 token)
+            return torch.ops.kvserve_cpu.q8_embedding(input_ids, tensors["qweight"],
+                                                      tensors["scales"], self.dtype)
+        codes = tensors["qweight"].index_select(0, input_ids)
         scales = tensors["scales"].index_select(0, input_ids)
         return (codes.to(torch.float32) * scales.float()[:, None]).to(self.dtype)

@@ -9,8 +9,8 @@ rows, each summing 4 consecutive inputs, so a block of 32 inputs is 8 operands o
 - int8: block b of tile t is its 8 operands of 64 bytes, [tiles, blocks x 512].
 
 `pack_*` turn codes [out, in] into a layout, `unpack_*` return them (the tests and
-`dequantize` read weights back through them), `int8_rows` reads single rows (a tied
-embedding's lookup).
+`dequantize` read weights back through them); a tied embedding reads single int8 rows with the
+C++ op q8_embedding.
 """
 
 from __future__ import annotations
@@ -89,10 +89,3 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int8(qweight: torch.Tensor) -> torch.Tensor:
     """The tiled layout -> int8 codes [out, in]."""
     return _from_operands(qweight.reshape(qweight.shape[0], -1, 8, TILE_ROWS, 4))
-
-
-def int8_rows(qweight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` of a tiled int8 weight's codes, [len(rows), in]."""
-    ops = qweight.reshape(qweight.shape[0], -1, 8, TILE_ROWS, 4)
-    picked = ops[rows // TILE_ROWS, :, :, rows % TILE_ROWS]  # [len, blocks, 8, 4]
-    return picked.reshape(rows.shape[0], -1)

@@ -18,6 +18,7 @@
 //   q4_linear, q8_linear
 //                     weight-only int4 (blocks of 32) and int8 (per row) linear layers, with
 //                     in tiles of 16 rows for AVX512-VNNI's int8 dot product (qgemm.cpp);
+//   q8_embedding      rows of such an int8 weight by token id (a tied embedding);
 //   decoder_layer_    a whole decode layer from those and torch's matmuls (decoder_layer.cpp),
 //                     and DecoderStack: every layer of a model in one call per step;
 //   argmax_rows       greedy sampling's argmax over float32 logits rows (sampling.cpp).
@@ -53,6 +54,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
         "Tensor? query_start_loc=None) -> ()");
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale_mins, int path=0) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int path=0) -> Tensor");
+  m.def("q8_embedding(Tensor ids, Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.class_<kvserve::DecoderStack>("DecoderStack")
       .def(torch::init<>())
@@ -73,6 +75,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("decoder_layer_", &kvserve::decoder_layer_);
   m.impl("q4_linear", &kvserve::q4_linear);
   m.impl("q8_linear", &kvserve::q8_linear);
+  m.impl("q8_embedding", &kvserve::q8_embedding);
   m.impl("argmax_rows", &kvserve::argmax_rows);
 }
 

@@ -41,6 +41,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scale_mins, int64_t path);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      int64_t path);
+// Rows `ids` of a tiled int8 weight, times their scales, as `dtype` [tokens, K]: a tied
+// embedding read from the LM head's codes.
+at::Tensor q8_embedding(const at::Tensor& ids, const at::Tensor& qweight,
+                        const at::Tensor& scales, at::ScalarType dtype);
 void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens,

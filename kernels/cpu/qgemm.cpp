@@ -164,4 +164,43 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   }
 }
 
+at::Tensor q8_embedding(const at::Tensor& ids, const at::Tensor& qweight,
+                        const at::Tensor& scales, at::ScalarType dtype) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar &&
+                  qweight.is_contiguous() && qweight.size(1) % 512 == 0,
+              "q8_embedding: qweight must be contiguous int8 [N/16, K/32 * 512]");
+  const int64_t N = qweight.size(0) * kRows, K = qweight.size(1) / 512 * kBlock;
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == N, "q8_embedding: scales must be [N]");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong,
+              "q8_embedding: ids must be int64 [tokens]");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const int64_t n = idc.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < N, "q8_embedding: token id ", id[i],
+                " is out of range for a vocabulary of ", N);
+  }
+  const at::Tensor scale = scales.index_select(0, idc).to(at::kFloat).contiguous();  // [n]
+  at::Tensor out = at::empty({n, K}, qweight.options().dtype(at::kFloat));
+  const int8_t* codes = qweight.data_ptr<int8_t>();
+  const float* sc = scale.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t blocks = K / kBlock;
+  // Row `row` of tile t: input 32b + 4c + i at byte 512b + 64c + 4 (row % 16) + i of the
+  // tile (engine/quantization/tiles.py).
+  for (int64_t i = 0; i < n; ++i) {
+    const int8_t* tile = codes + (id[i] / kRows) * blocks * 512 + (id[i] % kRows) * 4;
+    float* orow = o + i * K;
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t c = 0; c < 8; ++c) {
+        for (int64_t j = 0; j < 4; ++j) {
+          orow[b * kBlock + 4 * c + j] =
+              static_cast<float>(tile[b * 512 + c * 64 + j]) * sc[i];
+        }
+      }
+    }
+  }
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
 }  // namespace kvserve

@@ -74,13 +74,26 @@ def test_int4_tiles_pack_and_unpack(n: int, k: int, group: int) -> None:
     assert torch.equal(back, codes) and torch.equal(s, scales) and torch.equal(m, mins)
 
 
-def test_int8_tiles_pack_unpack_and_read_rows() -> None:
+def test_int8_tiles_pack_unpack() -> None:
     codes = torch.randint(-127, 128, (48, 96), dtype=torch.int8)
     packed = tiles.pack_int8(codes)
     assert packed.shape == (3, 3 * 512)
     assert torch.equal(tiles.unpack_int8(packed), codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_embedding_reads_rows_of_the_tiles_times_their_scales(ops: object,
+                                                                 dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(-127, 128, (48, 96), dtype=torch.int8, generator=gen)
+    scales = (torch.rand(48, generator=gen) / 100).to(dtype)
     rows = torch.tensor([0, 17, 47, 5, 17])
-    assert torch.equal(tiles.int8_rows(packed, rows), codes[rows])
+    got = ops.q8_embedding(rows, tiles.pack_int8(codes), scales, dtype)  # type: ignore[attr-defined]
+    want = (codes[rows].float() * scales[rows].float()[:, None]).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.q8_embedding(torch.tensor([48]), tiles.pack_int8(codes), scales,  # type: ignore[attr-defined]
+                         dtype)
 
 
 def test_shapes_that_do_not_tile_are_refused() -> None:
