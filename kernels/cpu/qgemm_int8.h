@@ -117,11 +117,16 @@ inline void block_dots(const __m512i (&ops)[8], const QuantRows& a, int64_t r0, 
   }
 }
 
-// One row of x reads each weight byte once, so a batch-1 linear is a stream from memory that
-// the hardware prefetchers start afresh at every 4 KiB page: the one-row kernels ask for the
-// codes (and int4's scales) kAheadBlocks blocks ahead. Measured 2026-12-02 (Xeon, SmolLM2
-// GGUF, 2 threads, processes interleaved): a batch-1 decode step fell from 5.1-5.6 to 4.2-5.2
-// ms with 4 KiB of int4 codes ahead (1 KiB: inside noise; 8 and 16 KiB: no better than 4).
+// The kernels ask for the weights ahead of the pass that reads them: the one-row kernels and
+// the int8 tiles kAheadBlocks blocks on, the int4 pairs the next pair's block, each in the
+// last pass of x's rows over its tile (the passes before find the tile in L1; a 512-row
+// prefill asking in every pass was ~3% slower). The hardware prefetchers start afresh at every
+// 4 KiB page, and a few rows of x read each weight byte about once, so those linears are
+// streams from memory. Measured 2026-12-02 (Xeon, SmolLM2 GGUF, 2 threads, processes
+// interleaved, decode steps in ms): batch 1 5.6-7.6 -> 4.4-5.9 (4 KiB of int4 codes ahead;
+// 1 KiB inside noise, 8 and 16 KiB no better), 2: 6.7-7.1 -> 5.2-5.5, 4: 8.1-8.9 -> 6.4-6.5,
+// 8: 12.1-14.1 -> 11.4-11.9, 16: 21.7-22.6 -> 19.2-20.3; at 64 no change past noise (60-67
+// both), nor in a 512-token prefill (1,780-2,090 tokens/s both).
 constexpr int64_t kAheadBlocks = 16;
 
 inline void prefetch_lines(const void* p, int64_t bytes) {
@@ -182,7 +187,8 @@ void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
 // shapes (Xeon with AVX512-VNNI, one thread, weights in cache; 2026-12-01). The output is the
 // one-tile kernel's bit for bit: the same integer sums, the same float operations in order.
 template <int T, int R, typename S, typename Y>
-void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, Y* y) {
+void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, Y* y,
+              bool ahead) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[T][R];
   for (int i = 0; i < T; ++i)
@@ -192,6 +198,12 @@ void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t
     __m512i part[T][R];
     for (int i = 0; i < T; ++i)
       for (int r = 0; r < R; ++r) part[i][r] = _mm512_setzero_si512();
+    for (int i = 0; i < T && ahead; ++i) {  // the next pair's block and scales (kAheadBlocks)
+      prefetch_lines(w.block(t + T + i, b), 256);
+      if (b % w.per_group == 0) {
+        prefetch_lines(w.scales(t + T + i, g), 2 * kRows * static_cast<int64_t>(sizeof(S)));
+      }
+    }
     for (int j = 0; j < 4; ++j) {  // run j: operand j in the low nibbles, j + 4 in the high
       __m512i lo[T], hi[T];
       for (int i = 0; i < T; ++i) {
@@ -229,13 +241,14 @@ void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t
 }
 
 template <int R, typename S, typename T>
-void tile(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y) {
+void tile(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y,
+          bool ahead) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int8_t* p = w.block(t, b);
-    if constexpr (R == 1) prefetch_lines(p + kAheadBlocks * 512, 512);  // see tile_one_row
+    if (ahead) prefetch_lines(p + kAheadBlocks * 512, 512);  // see kAheadBlocks
     // u8 = code + 128: each sum carries 128 x (the block's codes of x), removed at the end.
     __m512i ops[8];
     for (int c = 0; c < 8; ++c) ops[c] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * c), flip);
@@ -258,15 +271,17 @@ template <typename S, typename T>
 int64_t passes(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t, int64_t r0, int64_t r1,
                int64_t N, T* y) {
   int64_t r = r0;
-  for (; r + kMaxRowsPerPass <= r1; r += kMaxRowsPerPass) tile<kMaxRowsPerPass>(w, a, t, r, N, y);
+  for (; r + kMaxRowsPerPass <= r1; r += kMaxRowsPerPass) {
+    tile<kMaxRowsPerPass>(w, a, t, r, N, y, r + kMaxRowsPerPass == r1);
+  }
   switch (r1 - r) {
-    case 7: tile<7>(w, a, t, r, N, y); break;
-    case 6: tile<6>(w, a, t, r, N, y); break;
-    case 5: tile<5>(w, a, t, r, N, y); break;
-    case 4: tile<4>(w, a, t, r, N, y); break;
-    case 3: tile<3>(w, a, t, r, N, y); break;
-    case 2: tile<2>(w, a, t, r, N, y); break;
-    case 1: tile<1>(w, a, t, r, N, y); break;
+    case 7: tile<7>(w, a, t, r, N, y, true); break;
+    case 6: tile<6>(w, a, t, r, N, y, true); break;
+    case 5: tile<5>(w, a, t, r, N, y, true); break;
+    case 4: tile<4>(w, a, t, r, N, y, true); break;
+    case 3: tile<3>(w, a, t, r, N, y, true); break;
+    case 2: tile<2>(w, a, t, r, N, y, true); break;
+    case 1: tile<1>(w, a, t, r, N, y, true); break;
     default: break;
   }
   return 1;
@@ -277,14 +292,14 @@ void q4_passes(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_
                Y* y) {
   int64_t r = r0;
   for (; r + kQ4RowsPerPass <= r1; r += kQ4RowsPerPass) {
-    q4_tiles<T, kQ4RowsPerPass>(w, a, t, r, N, y);
+    q4_tiles<T, kQ4RowsPerPass>(w, a, t, r, N, y, r + kQ4RowsPerPass == r1);
   }
   switch (r1 - r) {
-    case 5: q4_tiles<T, 5>(w, a, t, r, N, y); break;
-    case 4: q4_tiles<T, 4>(w, a, t, r, N, y); break;
-    case 3: q4_tiles<T, 3>(w, a, t, r, N, y); break;
-    case 2: q4_tiles<T, 2>(w, a, t, r, N, y); break;
-    case 1: q4_tiles<T, 1>(w, a, t, r, N, y); break;
+    case 5: q4_tiles<T, 5>(w, a, t, r, N, y, true); break;
+    case 4: q4_tiles<T, 4>(w, a, t, r, N, y, true); break;
+    case 3: q4_tiles<T, 3>(w, a, t, r, N, y, true); break;
+    case 2: q4_tiles<T, 2>(w, a, t, r, N, y, true); break;
+    case 1: q4_tiles<T, 1>(w, a, t, r, N, y, true); break;
     default: break;
   }
 }
