@@ -154,14 +154,12 @@ void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const S* s = w.scales(t, g);
+    prefetch_lines(reinterpret_cast<const char*>(s) + scales_ahead, 64);
     const __m512 sv = load16(s), mv16 = _mm512_mul_ps(load16(s + kRows), sixteen);
     acc = _mm512_fmadd_ps(mv16, _mm512_set1_ps(a.sums[r * a.groups + g]), acc);
     for (int64_t b = g * w.per_group; b < (g + 1) * w.per_group; ++b) {
       const uint8_t* p = w.block(t, b);
       prefetch_lines(p + kAheadBlocks * 256, 256);
-      if (b % w.per_group == 0) {
-        prefetch_lines(reinterpret_cast<const char*>(s) + scales_ahead, 64);
-      }
       const int64_t k = b * kBlock;
       __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
