@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.benchmarks.chunked_prefill_cost import CHUNKS, measure_surface, render_surface
+from loadtest.benchmarks.chunked_prefill_trace import measure_trace, render_trace
 from loadtest.benchmarks.common import (
     SuiteContext,
     format_table,
@@ -201,13 +202,16 @@ def run(ctx: SuiteContext) -> dict[str, Any]:
     rows = [measure_budget(ctx, b, w) for b in budgets]
     for key in ("prompts", "warm_prompt"):
         del w[key]
-    surface = None
+    surface = trace = None
     if ADAPTIVE in w["budgets"]:  # what the adaptive budget chooses between, measured
         long = w["long_prompt_len"]
         surface = measure_surface(
             str(model_path(ctx)), ctx.threads, w["decoders"],
             sorted({min(1000, long // 4), long // 2, long - 100}), w["max_model_len"],
             (4, 16, 64) if ctx.quick else CHUNKS)
+        # the adaptive run's steps one by one: what it chose, how the model predicted them
+        trace = measure_trace(str(model_path(ctx)), ctx.threads, w["decoders"], long,
+                              w["max_model_len"])
     met, summary = verdict_of([r for r in rows if r["budget"] != ADAPTIVE])
     target = TARGET
     adaptive = next((r for r in rows if r["budget"] == ADAPTIVE), None)
@@ -217,7 +221,8 @@ def run(ctx: SuiteContext) -> dict[str, Any]:
         met = None if met is None or adaptive_met is None else met and adaptive_met
         summary = f"{summary}; {adaptive_summary}"
     return {"target": target, "met": met, "summary": summary, "workload": w,
-            "threads": ctx.threads, "quick": ctx.quick, "rows": rows, "cost_surface": surface}
+            "threads": ctx.threads, "quick": ctx.quick, "rows": rows, "cost_surface": surface,
+            "step_trace": trace}
 
 
 def verdict_of(rows: Sequence[dict[str, Any]]) -> tuple[bool | None, str]:
@@ -301,6 +306,7 @@ def render(result: dict[str, Any]) -> str:
         *_budget_lines(result["rows"]),
         *(render_surface(result["cost_surface"], ADAPTIVE_ITL_GOAL)
           if result.get("cost_surface") else []),
+        *(render_trace(result["step_trace"]) if result.get("step_trace") else []),
         "What it means for a user: with a small fixed budget the long prompt is prefilled a "
         "chunk per step, and every step still carries one token for each decoding stream, so "
         "replies keep flowing during the prefill, only slower (each step now also computes a "

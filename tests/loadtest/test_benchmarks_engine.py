@@ -1,5 +1,6 @@
-"""The in-process engine benchmarks (KV waste, per-step overhead) on a tiny model: their
-accounting on hand-built block tables and short runs' shapes. No timing thresholds."""
+"""The in-process engine benchmarks (KV waste, per-step overhead, the chunked prefill trace) on
+a tiny model: their accounting on hand-built block tables and short runs' shapes. No timing
+thresholds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from engine.llm_engine import LLMEngine
-from loadtest.benchmarks import kv_waste, overhead
+from loadtest.benchmarks import chunked_prefill_trace, kv_waste, overhead
 from loadtest.benchmarks.common import SuiteContext, target_line
 from loadtest.benchmarks.engines import engine_args, tiny_model_dir
 
@@ -131,3 +132,21 @@ def test_fixed_forward_verdict_counts_only_what_the_engine_adds() -> None:
     assert "(the engine's share): met (1.4% at 64" in met and "9.1% against the nominal" in met
     missed = render([row(64, 2.11, 2.08), row(256, 2.3, 2.11)])
     assert "(the engine's share): missed" in missed
+
+
+def test_chunked_trace_logs_every_adaptive_step_until_the_long_prompts_first_token(
+        tiny_dir: Path) -> None:
+    trace = chunked_prefill_trace.trace_window(str(tiny_dir), 1, decoders=2, prompt_len=300,
+                                               max_model_len=512)
+    steps = trace["steps"]
+    assert trace["ttft_s"] > 0 and trace["base_s"] > 0
+    # every step of the window carried both decoders and a piece of the prompt; the pieces
+    # are the whole prompt, the last one reaching its end
+    assert steps and sum(s["chunk"] for s in steps) == 300
+    assert [s["context"] for s in steps] == sorted(s["context"] for s in steps)
+    assert steps[-1]["context"] == 300
+    assert all(s["predicted"] > 0 and s["decode_only"] > 0 for s in steps)
+    lines = chunked_prefill_trace.render_trace(
+        {"ttft_s": trace["ttft_s"], "base_s": trace["base_s"],
+         "summary": chunked_prefill_trace.summarize(steps, trace["base_s"], parts=2)})
+    assert any("over the decode-only step" in line for line in lines)

@@ -120,3 +120,23 @@ def test_offline_page_from_the_stored_run() -> None:
     assert page.startswith("## Offline benchmark: SmolLM2-135M, 2 threads")
     assert offline.Throughput.render(judged) in page
     assert offline.Batch1.render(offline.Batch1.judge(stored["report"])) in page
+
+
+def test_chunked_trace_summary_splits_the_window_and_compares_steps_to_both_paces() -> None:
+    from loadtest.benchmarks.chunked_prefill_trace import summarize
+
+    shallow = [{"seconds": 0.06, "predicted": 0.05, "decode_only": 0.03, "chunk": 16.0,
+                "context": 100.0 * i} for i in range(10)]
+    deep = [{"seconds": 0.09, "predicted": 0.09, "decode_only": 0.036, "chunk": 4.0,
+             "context": 7000.0 + i} for i in range(10)]
+    s = summarize(shallow + deep, base_s=0.03, parts=2)
+    first, second = s["parts"]
+    assert first["context"] == (0.0, 900.0) and second["context"] == (7000.0, 7009.0)
+    assert (first["chunk"], second["chunk"]) == (16.0, 4.0)
+    assert first["error_median"] == pytest.approx(1.2) and second["error_max"] == 1.0
+    assert first["decode_only_ms"] == pytest.approx(30.0)
+    # against the pace before the prompt the deep steps are 3x; against the decoders' own
+    # (slower by then) decode-only step, 2.5x
+    assert s["over_base"][1] == pytest.approx(3.0)
+    assert s["over_decode_only"][1] == pytest.approx(2.5)
+    assert s["steps"] == 20
