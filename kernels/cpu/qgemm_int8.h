@@ -44,20 +44,26 @@ inline void store16(c10::Half* out, __m512 v) {
                       _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// x [M, K] quantized per block of 32.
+// x [M, K] quantized per block of 32, its codes laid out for the passes: rows in groups of
+// `P` (a pass's rows; the last group holds the rest), each group's codes as [K / 4][rows] runs
+// of 4, so that a pass reads the 4 codes of each of its rows at input k side by side, at
+// offsets known when it is compiled (with each row's codes in its own row, the 8 rows' 8
+// addresses per block took more registers than x86 has: the tile loop spilled them, ~20% of
+// its instructions).
 struct QuantRows {
-  int64_t K, blocks, groups;
+  int64_t M, K, P, blocks, groups;
   // q and da are written whole before any read: left uninitialised (a value-initialised
   // vector zeroed 9 MB per linear of a 6,000-token prefill first, ~2% of a serving run).
-  std::unique_ptr<int8_t[]> q;  // [M, K]
+  std::unique_ptr<int8_t[]> q;  // [M, K] in groups of P rows, see above
   std::unique_ptr<float[]> da;  // [M, blocks] block scales
   std::vector<float> sums;    // [M, groups] sums of the quantized x per weight group
   std::vector<float> total;   // [M] sum over blocks of scale x sum of codes
 
   template <typename T>
-  QuantRows(const T* x, int64_t M, int64_t K_, int64_t per_group)
-      : K(K_), blocks(K_ / kBlock), groups(K_ / kBlock / per_group), q(new int8_t[M * K_]),
-        da(new float[M * (K_ / kBlock)]), sums(M * groups, 0.0f), total(M, 0.0f) {
+  QuantRows(const T* x, int64_t M_, int64_t K_, int64_t per_group, int64_t P_)
+      : M(M_), K(K_), P(P_), blocks(K_ / kBlock), groups(K_ / kBlock / per_group),
+        q(new int8_t[M_ * K_]), da(new float[M_ * (K_ / kBlock)]), sums(M_ * groups, 0.0f),
+        total(M_, 0.0f) {
     // Rows are independent: split them over the threads once there is enough work (a 64-row
     // step quantized serially left a core idle for ~3 ms of SmolLM2's ~48).
     const int64_t grain = std::max<int64_t>(1, 16384 / K);
@@ -65,8 +71,15 @@ struct QuantRows {
       for (int64_t r = begin; r < end; ++r) quantize_row(x + r * K, r);
     });
   }
+  // The codes of the pass whose first row is r0 (a group's first) in runs of 4: row i's
+  // codes at inputs 4 c..4 c + 3 are element c x R + i, R the group's rows.
+  const int32_t* quads(int64_t r0) const {
+    return reinterpret_cast<const int32_t*>(q.get() + r0 * K);
+  }
   template <typename T>
   void quantize_row(const T* xr, int64_t r) {
+    const int64_t first = r / P * P, rows = std::min(P, M - first);
+    int8_t* group = q.get() + first * K + (r - first) * 4;
     for (int64_t b = 0; b < blocks; ++b) {
       const T* xb = xr + b * kBlock;
       const __m512 lo = load16(xb), hi = load16(xb + 16);
@@ -75,9 +88,12 @@ struct QuantRows {
       const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // nearest even
       const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      int8_t* qb = q.get() + r * K + b * kBlock;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qhi));
+      alignas(16) int8_t codes[kBlock];
+      _mm_store_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(qlo));
+      _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtsepi32_epi8(qhi));
+      for (int64_t c = 0; c < kBlock / 4; ++c) {
+        std::memcpy(group + (b * kBlock / 4 + c) * rows * 4, codes + 4 * c, 4);
+      }
       // The sums are of the quantized x, so that int4's mins and codes meet the same x: the
       // result is then exactly w . x' (x' the quantized x). Exact float sums instead leave
       // sum(q x') - sum(q x), with q up to 15, uncancelled (+3% perplexity on SmolLM2).
@@ -88,20 +104,16 @@ struct QuantRows {
       total[r] += block_sum;
     }
   }
-  // Row r's 4 codes starting at input k, broadcast to every lane.
-  __m512i quad(int64_t r, int64_t k) const {
-    int32_t v;
-    std::memcpy(&v, q.get() + r * K + k, sizeof(v));
-    return _mm512_set1_epi32(v);
-  }
 };
 
+inline __m512i broadcast(const int32_t* p) { return _mm512_set1_epi32(*p); }
 
-// The 8 operands' sums for rows r0..r0+R of x against one block: 16 lanes, one per output
-// row. The dot products run as independent chains (per row, and split per row when rows are
-// few) so that their latency overlaps.
+// The 8 operands' sums for the R rows of a pass against one block (xq: the pass's codes at
+// the block, see QuantRows::quads): 16 lanes, one per output row. The dot products run as
+// independent chains (per row, and split per row when rows are few) so that their latency
+// overlaps.
 template <int R>
-inline void block_dots(const __m512i (&ops)[8], const QuantRows& a, int64_t r0, int64_t k,
+inline void block_dots(const __m512i (&ops)[8], const int32_t* xq,
                        __m512i (&sums)[R]) {
   constexpr int kChains = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
   __m512i part[R][kChains];
@@ -110,7 +122,7 @@ inline void block_dots(const __m512i (&ops)[8], const QuantRows& a, int64_t r0, 
   for (int c = 0; c < 8; ++c)
     for (int r = 0; r < R; ++r)
       part[r][c % kChains] = _mm512_dpbusd_epi32(part[r][c % kChains], ops[c],
-                                                 a.quad(r0 + r, k + 4 * c));
+                                                 broadcast(xq + c * R + r));
   for (int r = 0; r < R; ++r) {
     sums[r] = part[r][0];
     for (int h = 1; h < kChains; ++h) sums[r] = _mm512_add_epi32(sums[r], part[r][h]);
@@ -152,6 +164,7 @@ void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
   const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
   const __m512 sixteen = _mm512_set1_ps(16.0f);
   __m512 acc = _mm512_setzero_ps();
+  const int32_t* x = a.quads(r);  // one row: its codes in order
   for (int64_t g = 0; g < w.groups; ++g) {
     const S* s = w.scales(t, g);
     prefetch_lines(reinterpret_cast<const char*>(s) + scales_ahead, 64);
@@ -160,12 +173,12 @@ void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
     for (int64_t b = g * w.per_group; b < (g + 1) * w.per_group; ++b) {
       const uint8_t* p = w.block(t, b);
       prefetch_lines(p + kAheadBlocks * 256, 256);
-      const int64_t k = b * kBlock;
+      const int32_t* xq = x + b * kBlock / 4;
       __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(p + 64 * j);
-        lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, low4), a.quad(r, k + 4 * j));
-        hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, high4), a.quad(r, k + 4 * (j + 4)));
+        lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, low4), broadcast(xq + j));
+        hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, high4), broadcast(xq + j + 4));
       }
       const __m512i sum16 = _mm512_add_epi32(_mm512_slli_epi32(lo, 4), hi);
       const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(a.da[r * a.blocks + b]));
@@ -188,11 +201,13 @@ template <int T, int R, typename S, typename Y>
 void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, Y* y,
               bool ahead) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int32_t* x = a.quads(r0);  // the pass's codes: R per 4 inputs
   __m512 acc[T][R];
   for (int i = 0; i < T; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
-    const int64_t k = b * kBlock, g = b / w.per_group;
+    const int64_t g = b / w.per_group;
+    const int32_t* xq = x + b * kBlock / 4 * R;
     __m512i part[T][R];
     for (int i = 0; i < T; ++i)
       for (int r = 0; r < R; ++r) part[i][r] = _mm512_setzero_si512();
@@ -210,12 +225,12 @@ void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t
         hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xq = a.quad(r0 + r, k + 4 * j);
-        for (int i = 0; i < T; ++i) part[i][r] = _mm512_dpbusd_epi32(part[i][r], lo[i], xq);
+        const __m512i xr = broadcast(xq + j * R + r);
+        for (int i = 0; i < T; ++i) part[i][r] = _mm512_dpbusd_epi32(part[i][r], lo[i], xr);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xq = a.quad(r0 + r, k + 4 * (j + 4));
-        for (int i = 0; i < T; ++i) part[i][r] = _mm512_dpbusd_epi32(part[i][r], hi[i], xq);
+        const __m512i xr = broadcast(xq + (j + 4) * R + r);
+        for (int i = 0; i < T; ++i) part[i][r] = _mm512_dpbusd_epi32(part[i][r], hi[i], xr);
       }
     }
     for (int i = 0; i < T; ++i) {
@@ -242,6 +257,7 @@ template <int R, typename S, typename T>
 void tile(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y,
           bool ahead) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int32_t* x = a.quads(r0);  // the pass's codes: R per 4 inputs
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
@@ -251,7 +267,7 @@ void tile(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, 
     __m512i ops[8];
     for (int c = 0; c < 8; ++c) ops[c] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * c), flip);
     __m512i sums[R];
-    block_dots<R>(ops, a, r0, b * kBlock, sums);
+    block_dots<R>(ops, x + b * kBlock / 4 * R, sums);
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]),
                                _mm512_set1_ps(a.da[(r0 + r) * a.blocks + b]), acc[r]);
@@ -324,10 +340,14 @@ template <typename S>
 int64_t blocks_per_group(const Q4<S>& w) { return w.per_group; }
 template <typename S>
 int64_t blocks_per_group(const Q8<S>& w) { return w.blocks; }
+template <typename S>
+int64_t rows_per_pass(const Q4<S>&) { return kQ4RowsPerPass; }
+template <typename S>
+int64_t rows_per_pass(const Q8<S>&) { return kMaxRowsPerPass; }
 
 template <typename W, typename T>
 void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
-  const QuantRows a(x, M, K, blocks_per_group(w));
+  const QuantRows a(x, M, K, blocks_per_group(w), rows_per_pass(w));
   // Rows in chunks whose quantized x stays in L2 while the thread's tiles pass over it (a
   // 4096-row prefill streamed all of it from L3 once per tile: ~15% slower at K 576). Each
   // thread takes one contiguous run of tiles: its weight reads are one stream the hardware

@@ -160,7 +160,8 @@ def test_q4_output_does_not_depend_on_the_thread_count(ops: object, n: int) -> N
         assert torch.equal(out, outs[0])
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9, 16])
+# 13 and 1003 end in a group of 5 and 3 rows (passes of 8); 1003 spans several L2 chunks
+@pytest.mark.parametrize("rows", [1, 4, 9, 13, 16, 1003])
 def test_q8_linear_paths(ops: object, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     codes = torch.randint(-127, 128, (80, 192), generator=gen, dtype=torch.int8)
