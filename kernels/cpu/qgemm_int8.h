@@ -48,8 +48,8 @@ inline void store16(c10::Half* out, __m512 v) {
 // `P` (a pass's rows; the last group holds the rest), each group's codes as [K / 4][rows] runs
 // of 4, so that a pass reads the 4 codes of each of its rows at input k side by side, at
 // offsets known when it is compiled (with each row's codes in its own row, the 8 rows' 8
-// addresses per block took more registers than x86 has: the tile loop spilled them, ~20% of
-// its instructions).
+// addresses per block took more registers than x86 has: the 8-row int8 tile spilled them,
+// ~13% of its samples). The passes of int8_path start at multiples of P (kChunkRows).
 struct QuantRows {
   int64_t M, K, P, blocks, groups;
   // q and da are written whole before any read: left uninitialised (a value-initialised
