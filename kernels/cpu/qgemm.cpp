@@ -182,24 +182,10 @@ at::Tensor q8_embedding(const at::Tensor& ids, const at::Tensor& qweight,
   }
   const at::Tensor scale = scales.index_select(0, idc).to(at::kFloat).contiguous();  // [n]
   at::Tensor out = at::empty({n, K}, qweight.options().dtype(at::kFloat));
-  const int8_t* codes = qweight.data_ptr<int8_t>();
+  const Q8<float> w{qweight.data_ptr<int8_t>(), nullptr, K, K / kBlock};
   const float* sc = scale.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const int64_t blocks = K / kBlock;
-  // Row `row` of tile t: input 32b + 4c + i at byte 512b + 64c + 4 (row % 16) + i of the
-  // tile (engine/quantization/tiles.py).
-  for (int64_t i = 0; i < n; ++i) {
-    const int8_t* tile = codes + (id[i] / kRows) * blocks * 512 + (id[i] % kRows) * 4;
-    float* orow = o + i * K;
-    for (int64_t b = 0; b < blocks; ++b) {
-      for (int64_t c = 0; c < 8; ++c) {
-        for (int64_t j = 0; j < 4; ++j) {
-          orow[b * kBlock + 4 * c + j] =
-              static_cast<float>(tile[b * 512 + c * 64 + j]) * sc[i];
-        }
-      }
-    }
-  }
+  for (int64_t i = 0; i < n; ++i) w.dequant_row(id[i] / kRows, id[i] % kRows, sc[i], o + i * K);
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 

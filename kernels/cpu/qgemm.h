@@ -60,14 +60,18 @@ struct Q8 {
 
   const int8_t* block(int64_t t, int64_t b) const { return codes + (t * blocks + b) * 512; }
 
-  void dequant_tile(int64_t t, float* out) const {  // unscaled: post_scale applies it
+  // Row l of tile t times `scale` into out[K]: input 32 b + 4 c + i of the row is byte
+  // 64 c + 4 l + i of block b (engine/quantization/tiles.py).
+  void dequant_row(int64_t t, int64_t l, float scale, float* out) const {
     for (int64_t b = 0; b < blocks; ++b) {
-      const int8_t* p = block(t, b);
+      const int8_t* p = block(t, b) + 4 * l;
       for (int c = 0; c < 8; ++c)
-        for (int l = 0; l < kRows; ++l)
-          for (int i = 0; i < 4; ++i)
-            out[l * K + b * kBlock + 4 * c + i] = static_cast<float>(p[64 * c + 4 * l + i]);
+        for (int i = 0; i < 4; ++i)
+          out[b * kBlock + 4 * c + i] = static_cast<float>(p[64 * c + i]) * scale;
     }
+  }
+  void dequant_tile(int64_t t, float* out) const {  // unscaled: post_scale applies it
+    for (int64_t l = 0; l < kRows; ++l) dequant_row(t, l, 1.0f, out + l * K);
   }
   float post_scale(int64_t n) const { return to_f(scale[n]); }
 };
