@@ -2,9 +2,9 @@
 // the same work split and softmax as attention.cpp's generic kernel, with the two inner loops
 // in registers.
 //
-//   scores  q . k straight from the cache's rows, the query heads of a KV head sharing each K
-//           row: `vdpbf16ps` on bf16 rows (products of two bf16 are exact in float; sums in
-//           float, AVX512-BF16), fused multiply-adds on float rows (AVX512F);
+//   scores  q . k straight from the cache's rows, sixteen keys of a block at a time reduced
+//           together (sum16): `vdpbf16ps` on bf16 rows (products of two bf16 are exact in
+//           float; sums in float, AVX512-BF16), fused multiply-adds on float rows (AVX512F);
 //   values  each V row widened to float (bf16) or loaded (float) once per KV head and
 //           accumulated into the output rows of several query heads held in registers.
 //
@@ -78,7 +78,7 @@ struct Lanes<c10::BFloat16> {
 template <int C>
 constexpr int kHeadsPerPass = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
 
-// Blocks ahead whose rows a lead head asks for (for_each_slot_ahead). From a cold cache (64
+// Blocks ahead whose rows a lead head asks for (for_each_run_ahead). From a cold cache (64
 // sequences at context 150, 30 layers, 2 threads) asking 1 to 8 blocks ahead took 33.5-34.5 ms
 // against 39-41 ms without; the distance made no difference past noise.
 constexpr int64_t kAheadBlocks = 2;
@@ -101,7 +101,43 @@ void prefetch_start(const Call<T>& c, int64_t s, int64_t dim) {
   }
 }
 
+// The sum of a's 16 lanes in the order GCC's _mm512_reduce_add_ps adds them (lane i with
+// i + 8, then i + 4, then i + 2 and i + 1), written out so that `sum16` can match it.
+inline float hsum(__m512 a) {
+  const __m256 t3 = _mm256_add_ps(_mm512_extractf32x8_ps(a, 1), _mm512_castps512_ps256(a));
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_permute_ps(t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_movehdup_ps(t8));
+}
+
+// Lane r: hsum(a[r]), the same additions in the same order, for 16 vectors at once: 45
+// shuffles and adds where 16 hsums take ~130 instructions, each a chain of dependent steps (at
+// batch 1 a score's reduction held up its store: half of the scores' time, SmolLM2 on AVX-512).
+inline __m512 sum16(const __m512 (&a)[16]) {
+  __m512 b[8], c4[4], d[2];
+  for (int i = 0; i < 8; ++i) {  // 128-bit lanes: a[2i]'s i and i+8 sums, then a[2i+1]'s
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane L: vector 4i + L's four partial sums
+    c4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                          _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  }
+  for (int i = 0; i < 2; ++i) {  // lane L: two partial sums of vectors 8i + L and 8i + 4 + L
+    const __m512d lo = _mm512_castps_pd(c4[2 * i]), hi = _mm512_castps_pd(c4[2 * i + 1]);
+    d[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // element 4L + t holds vector 4t + L's sum
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
 // One sequence's KV head g: scores of its query heads h0..h0+nh (rows of `scores`, n each).
+// Sixteen consecutive keys of a block at a time, one query head at a time, their dot products
+// reduced together (sum16); the keys left over one by one, all heads of a pass per K row.
 // A lead head (`ahead`: the item's first, its item holding every KV head of the rows) asks, as
 // its scores walk the keys, for the K and V rows ahead of them, whole rows, which its values
 // and the item's other heads then find in L2.
@@ -109,7 +145,8 @@ template <int C, typename T>
 void head_scores(const Call<T>& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
                  float* scores, int64_t n, bool ahead) {
   constexpr int H = kHeadsPerPass<C>;
-  const int64_t dim = 32 * C, h_base = g * c.group;
+  const int64_t dim = 32 * C, h_base = g * c.group, row = c.kv_heads * dim;
+  const __m512 scale = _mm512_set1_ps(c.scale);
   for (int64_t h0 = 0; h0 < c.group; h0 += H) {
     const int64_t nh = std::min<int64_t>(H, c.group - h0);
     typename Lanes<T>::Q q[H][C];
@@ -118,18 +155,37 @@ void head_scores(const Call<T>& c, int64_t s, int64_t g, int64_t first, int64_t 
       for (int j = 0; j < C; ++j) q[i][j] = Lanes<T>::load_q(qh + 32 * j);
     }
     const bool lead = ahead && h0 == 0;
-    for_each_slot_ahead(c.tables + s * c.bt_s0, c.block_size, first, ctx,
-                        lead ? reinterpret_cast<const char*>(c.k) : nullptr,
-                        reinterpret_cast<const char*>(c.v), block_bytes(c, dim), kAheadBlocks,
-                        [&](int64_t p, int64_t slot) {
+    for_each_run_ahead(c.tables + s * c.bt_s0, c.block_size, first, ctx,
+                       lead ? reinterpret_cast<const char*>(c.k) : nullptr,
+                       reinterpret_cast<const char*>(c.v), block_bytes(c, dim), kAheadBlocks,
+                       [&](int64_t p, int64_t slot, int64_t count) {
       const T* kr = c.k + (slot * c.kv_heads + g) * dim;
-      typename Lanes<T>::Q k[C];  // the K row once, for every query head of the pass
-      for (int j = 0; j < C; ++j) k[j] = Lanes<T>::load_q(kr + 32 * j);
-      for (int i = 0; i < H; ++i) {
-        if (i >= nh) break;
-        __m512 dot = Lanes<T>::dot(_mm512_setzero_ps(), q[i][0], k[0]);
-        for (int j = 1; j < C; ++j) dot = Lanes<T>::dot(dot, q[i][j], k[j]);
-        scores[(h0 + i) * n + p] = _mm512_reduce_add_ps(dot) * c.scale;
+      int64_t r0 = 0;
+      for (; r0 + 16 <= count; r0 += 16) {
+        for (int i = 0; i < H; ++i) {
+          if (i >= nh) break;
+          __m512 dots[16];
+          for (int r = 0; r < 16; ++r) {
+            const T* kt = kr + (r0 + r) * row;
+            __m512 dot = Lanes<T>::dot(_mm512_setzero_ps(), q[i][0], Lanes<T>::load_q(kt));
+            for (int j = 1; j < C; ++j) {
+              dot = Lanes<T>::dot(dot, q[i][j], Lanes<T>::load_q(kt + 32 * j));
+            }
+            dots[r] = dot;
+          }
+          _mm512_storeu_ps(scores + (h0 + i) * n + p + r0, _mm512_mul_ps(sum16(dots), scale));
+        }
+      }
+      for (; r0 < count; ++r0) {
+        const T* kt = kr + r0 * row;
+        typename Lanes<T>::Q k[C];  // the K row once, for every query head of the pass
+        for (int j = 0; j < C; ++j) k[j] = Lanes<T>::load_q(kt + 32 * j);
+        for (int i = 0; i < H; ++i) {
+          if (i >= nh) break;
+          __m512 dot = Lanes<T>::dot(_mm512_setzero_ps(), q[i][0], k[0]);
+          for (int j = 1; j < C; ++j) dot = Lanes<T>::dot(dot, q[i][j], k[j]);
+          scores[(h0 + i) * n + p + r0] = hsum(dot) * c.scale;
+        }
       }
     });
   }

@@ -29,22 +29,31 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Calls fn(index from `first`, cache slot) for positions first..end-1 of a sequence whose
-// blocks `table_row` lists: block by block, no division per position; on_block(b) runs before
-// block b's slots.
+// Calls fn(index from `first`, first cache slot, count) for each run of positions first..end-1
+// of a sequence whose blocks `table_row` lists that share a block (their slots consecutive);
+// on_block(b) runs before block b's run.
 struct NoBlockHook {
   void operator()(int64_t) const {}
 };
 template <typename Fn, typename OnBlock = NoBlockHook>
-inline void for_each_slot(const int32_t* table_row, int64_t block_size, int64_t first,
-                          int64_t end, Fn&& fn, OnBlock&& on_block = {}) {
+inline void for_each_run(const int32_t* table_row, int64_t block_size, int64_t first,
+                         int64_t end, Fn&& fn, OnBlock&& on_block = {}) {
   for (int64_t b = first / block_size; b * block_size < end; ++b) {
     on_block(b);
-    const int64_t start = b * block_size, base = static_cast<int64_t>(table_row[b]) * block_size;
-    for (int64_t pos = std::max(first, start); pos < std::min(end, start + block_size); ++pos) {
-      fn(pos - first, base + pos - start);
-    }
+    const int64_t start = b * block_size, pos = std::max(first, start);
+    fn(pos - first, static_cast<int64_t>(table_row[b]) * block_size + pos - start,
+       std::min(end, start + block_size) - pos);
   }
+}
+
+// fn(index from `first`, cache slot) for each of those positions, block by block (no division
+// per position).
+template <typename Fn, typename OnBlock = NoBlockHook>
+inline void for_each_slot(const int32_t* table_row, int64_t block_size, int64_t first,
+                          int64_t end, Fn&& fn, OnBlock&& on_block = {}) {
+  for_each_run(table_row, block_size, first, end, [&](int64_t p, int64_t slot, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) fn(p + i, slot + i);
+  }, on_block);
 }
 
 // Asks for block `block`'s rows (its `block_bytes` in `cache` and in `cache2`) into L2.
@@ -57,18 +66,18 @@ inline void prefetch_block(const char* cache, const char* cache2, int64_t block,
   }
 }
 
-// for_each_slot that also asks for the cache rows of the block `ahead` blocks on (all of its
-// `block_bytes` from `cache` and from `cache2`, into L2) before each block's slots, when `cache`
+// for_each_run that also asks for the cache rows of the block `ahead` blocks on (all of its
+// `block_bytes` from `cache` and from `cache2`, into L2) before each block's run, when `cache`
 // is given (the first block asks for the blocks up to `ahead`). A decode item reads its heads'
 // part of each row, a few lines of every row; from a cold cache those reads waited on memory
 // one by one (64 sequences at context 150 over 30 layers: 35-40 ms cold against 18 ms warm).
 template <typename Fn>
-inline void for_each_slot_ahead(const int32_t* table_row, int64_t block_size, int64_t first,
-                                int64_t end, const char* cache, const char* cache2,
-                                int64_t block_bytes, int64_t ahead, Fn&& fn) {
-  if (cache == nullptr) return for_each_slot(table_row, block_size, first, end, fn);
+inline void for_each_run_ahead(const int32_t* table_row, int64_t block_size, int64_t first,
+                               int64_t end, const char* cache, const char* cache2,
+                               int64_t block_bytes, int64_t ahead, Fn&& fn) {
+  if (cache == nullptr) return for_each_run(table_row, block_size, first, end, fn);
   const int64_t first_block = first / block_size, last_block = (end - 1) / block_size;
-  for_each_slot(table_row, block_size, first, end, fn, [&](int64_t b) {
+  for_each_run(table_row, block_size, first, end, fn, [&](int64_t b) {
     for (int64_t n = b == first_block ? b + 1 : b + ahead; n <= std::min(last_block, b + ahead);
          ++n) {
       prefetch_block(cache, cache2, table_row[n], block_bytes);
@@ -95,7 +104,10 @@ inline void softmax_numerators(float* scores, int64_t heads, int64_t n, float* s
   for (int64_t h = 0; h < heads; ++h) {
     float* sc = scores + h * n;
     float m = -INFINITY;
-    for (int64_t p = 0; p < n; ++p) m = std::max(m, sc[p]);
+    // std::max's loop stayed scalar: a 4-cycle vmaxss chain, ~15% of a batch-1 decode
+    // attention call at 150 keys (SmolLM2, AVX-512)
+#pragma omp simd reduction(max : m)
+    for (int64_t p = 0; p < n; ++p) m = sc[p] > m ? sc[p] : m;
     float sum = 0.0f;
     // a scalar std::exp per score was a third of the kernel's time (and ATen's exp_ may not be
     // called here: a nested parallel region stalls every OpenMP team)
