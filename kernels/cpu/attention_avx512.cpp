@@ -313,7 +313,9 @@ void run(const Call<T>& c, int64_t num_seqs) {
   const int64_t parts = key_parts(c, num_seqs, num_seqs * split.chunks);
   if (parts > 1) return run_split<C, T>(c, num_seqs, split, parts);
   at::parallel_for(0, num_seqs * split.chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, sums(c.group);
+    // each thread's scores kept from call to call: no allocation per thread and layer
+    thread_local std::vector<float> scores, sums;
+    sums.resize(c.group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / split.chunks, g0 = (item % split.chunks) * split.per_chunk;
       const int64_t g1 = std::min(c.kv_heads, g0 + split.per_chunk);

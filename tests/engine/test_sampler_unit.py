@@ -58,3 +58,21 @@ def test_sampling_frequencies_follow_the_distribution() -> None:
     tokens, _ = sampler.sample(logits, [row(params, rid=str(i)) for i in range(4000)])
     counts = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
     assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_greedy_rows_asking_for_more_than_the_argmax_get_it() -> None:
+    """Plain greedy rows take the argmax-only path; a greedy row with logprobs, a bias, a
+    penalty or a ban beside them still gets its logprobs or its changed logits."""
+    sampler = Sampler(torch.device("cpu"))
+    logits = torch.tensor([0.0, 9.0, 8.5]).repeat(5, 1)
+    plain = SamplingParams(temperature=0.0)
+    rows = [row(plain, rid="plain"),
+            row(SamplingParams(temperature=0.0, logprobs=1), rid="logprobs"),
+            row(SamplingParams(temperature=0.0, logit_bias={2: 5.0}), rid="bias"),
+            row(SamplingParams(temperature=0.0, frequency_penalty=2.0), output=(1,), rid="pen"),
+            row(plain, banned=(1,), rid="ban")]
+    tokens, logprobs = sampler.sample(logits.clone(), rows)
+    assert tokens == [1, 1, 2, 2, 2]
+    assert logprobs[0] is None and logprobs[1] is not None and 1 in logprobs[1]
+    alone, none = sampler.sample(logits[:2].clone(), [rows[0], rows[0]])
+    assert alone == [1, 1] and none == [None, None]
