@@ -51,6 +51,14 @@ def wait_for_quiet(max_wait_s: float, threshold: float = QUIET_CORES,
     return time.perf_counter() - start
 
 
+def median_run(run: Callable[[], dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """The run with the median tokens/s of `repeats` (llama-bench's -r 3 likewise repeats its
+    runs: one second-long run moved by 10% between runs on a noisy VM), with every run's
+    tokens/s in `runs_tokens_per_s`, lowest first."""
+    runs = sorted((run() for _ in range(max(1, repeats))), key=lambda r: r["tokens_per_s"])
+    return {**runs[len(runs) // 2], "runs_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+
+
 def timed(fn: Callable[[], dict[str, Any]], quiet_wait_s: float) -> dict[str, Any]:
     """Runs a measurement (after waiting for a quiet machine, if asked) and adds the cores
     other processes used meanwhile as `other_cpu_cores`."""

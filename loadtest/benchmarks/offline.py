@@ -24,6 +24,7 @@ from loadtest.benchmarks.offline_report import (
     dtype_verdict,
     machine_table,
     roofline_table,
+    runs_text,
     throughput_table,
 )
 from loadtest.benchmarks.offline_run import run
@@ -117,8 +118,9 @@ class Batch1:
         """The batch-1 table and the target line."""
         r = result["report"]
         return "\n\n".join([
-            "One prompt of 16 tokens, 256 tokens generated greedily; the floor is the time "
-            "to read every weight once per token at the measured read bandwidth.",
+            "One prompt of 16 tokens, 256 tokens generated greedily, "
+            f"{runs_text(r)}; the floor is the time to read every weight once per token at "
+            "the measured read bandwidth.",
             batch1_table(r),
             target_line(result["target"], result["met"], result["summary"]),
             *contention_note(r)])

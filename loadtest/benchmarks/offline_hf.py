@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loadtest.benchmarks.machine import timed
+from loadtest.benchmarks.machine import median_run, timed
 
 if TYPE_CHECKING:
     from loadtest.benchmarks.offline_config import BenchConfig
@@ -92,7 +92,8 @@ def run_hf(cfg: BenchConfig, prompts: list[list[int]], batch1_prompt: list[int]
     model = load_hf_model()
     hf_generate_one(model, [100] * 16, 16)  # warm-up
     wait, out_len = cfg.wait_quiet, cfg.output_len
-    result = {"batch1": timed(lambda: hf_batch1(model, batch1_prompt, cfg.batch1_tokens), wait)}
+    result = {"batch1": timed(lambda: median_run(
+        lambda: hf_batch1(model, batch1_prompt, cfg.batch1_tokens), cfg.batch1_repeats), wait)}
     if not cfg.skip_hf_sequential:
         head = prompts[:cfg.hf_sequential_prompts]
         result["sequential"] = timed(lambda: hf_sequential(model, head, out_len), wait)

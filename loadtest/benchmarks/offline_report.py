@@ -153,6 +153,15 @@ def roofline_table(r: dict[str, Any]) -> str:
     ])
 
 
+def runs_text(r: dict[str, Any]) -> str:
+    """How many batch-1 runs each engine made and their tokens/s (the tables give the
+    median's)."""
+    runs = [(name, r[key]["batch1"].get("runs_tokens_per_s") or [r[key]["batch1"]["tokens_per_s"]])
+            for name, key in (("kvserve", "kvserve"), ("transformers", "hf"))]
+    listed = "; ".join(f"{name} {', '.join(f'{v:.1f}' for v in tps)}" for name, tps in runs)
+    return f"the median of {len(runs[0][1])} runs per engine (tok/s, lowest first: {listed})"
+
+
 def batch1_table(r: dict[str, Any]) -> str:
     """Section 3: batch-1 decode against the bandwidth floor."""
     floor, floor_f32 = r["batch1_floor_tokens_per_s"], r["batch1_floor_float32_tokens_per_s"]

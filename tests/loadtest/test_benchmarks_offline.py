@@ -15,7 +15,7 @@ from loadtest.benchmarks.common import (
     target_line,
     verdict,
 )
-from loadtest.benchmarks.machine import other_cores, other_cpu_values
+from loadtest.benchmarks.machine import median_run, other_cores, other_cpu_values
 from loadtest.benchmarks.offline import parse_args
 from loadtest.benchmarks.offline_config import BenchConfig
 from loadtest.benchmarks.offline_report import (
@@ -153,3 +153,10 @@ def test_kvserve_decode_reaches_all_decoding_with_async_scheduling(tiny_llama_di
     finally:
         llm.engine.shutdown()
     assert result["tokens_per_s"] > 0
+
+
+def test_batch1_takes_the_median_run_and_keeps_every_runs_rate() -> None:
+    rates = iter([240.0, 210.0, 250.0])
+    result = median_run(lambda: {"tokens": 256, "tokens_per_s": next(rates)}, 3)
+    assert result["tokens_per_s"] == 240.0
+    assert result["runs_tokens_per_s"] == [210.0, 240.0, 250.0]
