@@ -52,9 +52,8 @@ inline void store16(c10::Half* out, __m512 v) {
 // ~13% of its samples). The passes of int8_path start at multiples of P (kChunkRows).
 struct QuantRows {
   int64_t M, K, P, blocks, groups;
-  // One buffer holds the four arrays. q and da are written whole before any read: left
-  // uninitialised (a value-initialised vector zeroed 9 MB per linear of a 6,000-token prefill
-  // first, ~2% of a serving run).
+  // In one buffer; q and da are written whole before any read: left uninitialised (zeroing
+  // took 9 MB per linear of a 6,000-token prefill, ~2% of a serving run).
   int8_t* q;     // [M, K] in groups of P rows, see above
   float* da;     // [M, blocks] block scales
   float* sums;   // [M, groups] sums of the quantized x per weight group
@@ -119,11 +118,9 @@ struct QuantRows {
 
  private:
   // Decode steps quantize a few rows per linear, 121 times a SmolLM2 token: the calling thread
-  // keeps one buffer of up to kKeptBytes for them. Four allocations and frees per call had
-  // their part in the ~3% of a batch-1 step's worker samples that malloc, free and glibc's
-  // malloc_consolidate took; the stack alone went from 2.35-2.40 to 2.29-2.33 ms (10th
-  // percentile of 1,500 runs, 3 rounds) with this and the attention's kept scores. Larger x,
-  // or a second QuantRows alive on the thread, get their own.
+  // keeps one buffer of up to kKeptBytes for them (malloc, free and malloc_consolidate were ~3%
+  // of a batch-1 step's worker samples; with the attention's kept scores the 30 layers went
+  // from 2.35-2.40 to 2.29-2.33 ms). Larger x, or a second live QuantRows, get their own.
   static constexpr size_t kKeptBytes = size_t{1} << 20;
   static bool& kept_busy() {
     thread_local bool busy = false;
