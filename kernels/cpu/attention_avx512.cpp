@@ -23,6 +23,7 @@
 
 #include "ops.h"
 #include "paged.h"
+#include "team.h"
 
 namespace kvserve {
 
@@ -253,8 +254,9 @@ template <int C, typename T>
 void run_split(const Call<T>& c, int64_t num_seqs, const WorkSplit& split, int64_t parts) {
   constexpr int64_t dim = 32 * C, stride = dim + 2;  // a partial: sums, max, sum
   const int64_t heads = c.kv_heads * c.group;
-  std::vector<float> partials(num_seqs * heads * parts * stride);
-  at::parallel_for(0, num_seqs * split.chunks * parts, 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> own;
+  float* const partials = shared_floats(own, num_seqs * heads * parts * stride);
+  split_for(0, num_seqs * split.chunks * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, sums(c.group), maxes(c.group);
     for (int64_t work = begin; work < end; ++work) {
       const int64_t item = work / parts, part = work % parts;
@@ -266,7 +268,7 @@ void run_split(const Call<T>& c, int64_t num_seqs, const WorkSplit& split, int64
       const int64_t k0 = std::min(ctx, first + part * per), k1 = std::min(ctx, k0 + per);
       scores.resize(c.group * std::max<int64_t>(k1 - k0, 1));
       for (int64_t g = g0; g < g1; ++g) {
-        float* raw = partials.data() + ((s * heads + g * c.group) * parts + part) * stride;
+        float* raw = partials + ((s * heads + g * c.group) * parts + part) * stride;
         if (k1 == k0) {  // an empty part (a short sequence): no weight in the merge
           for (int64_t i = 0; i < c.group; ++i) raw[i * parts * stride + dim] = -INFINITY;
           continue;
@@ -284,9 +286,9 @@ void run_split(const Call<T>& c, int64_t num_seqs, const WorkSplit& split, int64
       }
     }
   });
-  at::parallel_for(0, num_seqs * heads, 1, [&](int64_t begin, int64_t end) {
+  split_for(0, num_seqs * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const float* pr = partials.data() + row * parts * stride;
+      const float* pr = partials + row * parts * stride;
       float mx = -INFINITY, sum = 0.0f;
       for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, pr[p * stride + dim]);
       __m512 acc[2 * C];
@@ -312,7 +314,7 @@ void run(const Call<T>& c, int64_t num_seqs) {
   const WorkSplit split(num_seqs, c.kv_heads, at::get_num_threads());
   const int64_t parts = key_parts(c, num_seqs, num_seqs * split.chunks);
   if (parts > 1) return run_split<C, T>(c, num_seqs, split, parts);
-  at::parallel_for(0, num_seqs * split.chunks, 1, [&](int64_t begin, int64_t end) {
+  split_for(0, num_seqs * split.chunks, 1, [&](int64_t begin, int64_t end) {
     // each thread's scores kept from call to call: no allocation per thread and layer
     thread_local std::vector<float> scores, sums;
     sums.resize(c.group);

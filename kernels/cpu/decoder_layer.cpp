@@ -144,6 +144,11 @@ void DecoderStack::forward(at::Tensor x, const at::Tensor& cos, const at::Tensor
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
               "DecoderStack.forward: ", layers_.size(), " layers, ", k_caches.size(),
               " K and ", v_caches.size(), " V caches");
+  if (!query_start_loc.has_value() &&
+      serves_team(x, cos, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
+    return forward_team(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
+                        sliding_window);
+  }
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     decoder_layer_(x, cos, sin, k_caches[i], v_caches[i], slot_mapping, block_tables, seq_lens,

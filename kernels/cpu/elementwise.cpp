@@ -18,6 +18,7 @@
 #include "convert.h"
 #include "ops.h"
 #include "paged.h"
+#include "rows.h"
 
 namespace kvserve {
 
@@ -30,20 +31,6 @@ namespace kvserve {
     case at::kHalf: { using scalar_t = c10::Half; __VA_ARGS__(); break; }           \
     default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);                \
   }
-
-// out = weight * (x / rms(x)) as transformers' LlamaRMSNorm: float math, the normalised value
-// rounded to the dtype, then the product with the weight rounded.
-template <typename T>
-inline void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
-  float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = to_f(x[i]);
-    ss += v * v;
-  }
-  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(x[i]) * r));
-}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type(),
@@ -105,17 +92,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
         const scalar_t* g = ip + r * 2 * inter;
         const scalar_t* u = g + inter;
         scalar_t* o = op + r * inter;
-        _Pragma("omp simd")  // inside the dtype macro's lambda: the operator form
-        for (int64_t i = 0; i < inter; ++i) {
-          const float x = to_f(g[i]), a = std::fabs(x);
-          // e^-|x|, past exp_nonpositive's clamp at -87 as e^-(|x| - 87) e^-87
-          const float ex = exp_nonpositive(a > 87.0f ? 87.0f - a : -a) *
-                           (a > 87.0f ? 1.64581143e-38f : 1.0f);
-          // torch's x / (1 + e^-x) is -0 once e^-x overflows float
-          const float silu = x < -88.7228394f ? -0.0f
-                                               : (x >= 0.0f ? x : x * ex) / (1.0f + ex);
-          o[i] = from_f<scalar_t>(rnd<scalar_t>(silu) * to_f(u[i]));
-        }
+        silu_mul_row(g, u, o, inter);
       }
     });
   });
@@ -141,18 +118,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* c = cp + t * c_s0;
         const scalar_t* s = sp + t * s_s0;
-        for (int64_t h = 0; h < heads; ++h) {
-          scalar_t* v = xp + t * x_s0 + h * x_s1;
-          _Pragma("omp simd")
-          for (int64_t i = 0; i < half; ++i) {
-            const float a = to_f(v[i]), b2 = to_f(v[i + half]);
-            const float lo = rnd<scalar_t>(a * to_f(c[i])) + rnd<scalar_t>(-b2 * to_f(s[i]));
-            const float hi = rnd<scalar_t>(b2 * to_f(c[i + half])) +
-                             rnd<scalar_t>(a * to_f(s[i + half]));
-            v[i] = from_f<scalar_t>(lo);
-            v[i + half] = from_f<scalar_t>(hi);
-          }
-        }
+        for (int64_t h = 0; h < heads; ++h) rope_row(xp + t * x_s0 + h * x_s1, c, s, half);
       }
     });
   });

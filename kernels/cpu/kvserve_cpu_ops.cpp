@@ -60,7 +60,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
       .def(torch::init<>())
       .def("add_layer", &kvserve::DecoderStack::add_layer)
       .def("forward", &kvserve::DecoderStack::forward)
-      .def("size", &kvserve::DecoderStack::size);
+      .def("size", &kvserve::DecoderStack::size)
+      .def("set_team", &kvserve::DecoderStack::set_team)
+      .def("team_steps", &kvserve::DecoderStack::team_steps);
   m.def("int8_dot_available() -> bool", &kvserve::int8_dot_available);
 }
 

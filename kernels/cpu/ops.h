@@ -69,8 +69,22 @@ class DecoderStack : public torch::CustomClassHolder {
                const at::Tensor& seq_lens, int64_t sliding_window,
                const std::optional<at::Tensor>& query_start_loc);
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+  // Whether forward runs a pure-decode step in one parallel region (decode_team.cpp) where it
+  // can; on by default, off to run the op-by-op path (the tests compare the two).
+  void set_team(bool on) { team_ = on; }
+  int64_t team_steps() const { return team_steps_; }  // steps the team path ran
 
  private:
+  bool serves_team(const at::Tensor& x, const at::Tensor& cos,
+                   const std::vector<at::Tensor>& k_caches,
+                   const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
+  void forward_team(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                    const std::vector<at::Tensor>& k_caches,
+                    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    int64_t sliding_window);
+
   struct Layer {
     at::Tensor norm1, norm2;
     double eps;
@@ -80,6 +94,8 @@ class DecoderStack : public torch::CustomClassHolder {
     double scale, k_scale, v_scale;
   };
   std::vector<Layer> layers_;
+  bool team_ = true;
+  int64_t team_steps_ = 0;
 };
 
 }  // namespace kvserve

@@ -5,7 +5,6 @@
 
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -14,6 +13,7 @@
 #include <vector>
 
 #include "qgemm.h"
+#include "team.h"
 
 #ifdef KVSERVE_INT8_DOT
 namespace kvserve {
@@ -386,7 +386,7 @@ void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
   // prefetchers follow (work items from a shared counter, interleaving the threads' tiles,
   // cost batch-1 decode ~15% and offline throughput ~5%).
   const int64_t chunk = std::max<int64_t>(kChunkRows, (1 << 18) / K / kChunkRows * kChunkRows);
-  at::parallel_for(0, N / kRows, 1, [&](int64_t begin, int64_t end) {
+  split_for(0, N / kRows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {
       const int64_t c1 = std::min(M, c0 + chunk);
       for (int64_t t = begin; t < end;) t += passes(w, a, t, end, c0, c1, N, y);

@@ -1,0 +1,211 @@
+// DecoderStack's decode step in one parallel region (team.h): every layer of a pure-decode
+// batch of a few rows whose linears are all kvserve's tiled int4/int8 ones (kinds 4 and 5,
+// no bias), float32 activations and a float32 cache. The layer is decoder_layer_'s, on raw
+// buffers:
+//
+//   each thread, privately:  its own copy of the residual rows, their norms, the SiLU
+//                            products (a few KB: recomputing them on every thread costs less
+//                            than a barrier, and no thread waits on another for them)
+//   split over the threads:  the four linears and the attention, each ending at a barrier
+//   thread 0, then barrier:  the rotation of q and k and the cache write
+//
+// The same kernels and the same rounding (rows.h) as the op-by-op path: the outputs are equal
+// bit for bit (tests/kernels/test_cpu_decode_team.py).
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+#include "qgemm_int8.h"
+#include "rows.h"
+#include "team.h"
+
+namespace kvserve {
+
+#ifdef KVSERVE_INT8_DOT
+namespace {
+
+constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs (see serves_team)
+
+// One linear of kind 4 (int4 tiles) or 5 (int8 tiles), its views built once per step.
+struct TeamLinear {
+  int64_t kind, N, K, blocks, groups;
+  const void *codes, *scales;
+  at::ScalarType scale_type;
+
+  TeamLinear(int64_t kind_, const at::Tensor& qweight, const at::Tensor& s)
+      : kind(kind_), N(qweight.size(0) * qgemm::kRows),
+        blocks(qweight.size(1) / (kind_ == 4 ? 256 : 512)),
+        groups(kind_ == 4 ? s.size(1) : 1), codes(qweight.data_ptr()), scales(s.data_ptr()),
+        scale_type(s.scalar_type()) {
+    K = blocks * qgemm::kBlock;
+  }
+
+  template <typename S>
+  void run(const float* x, int64_t M, float* y) const {
+    const S* sp = static_cast<const S*>(scales);
+    if (kind == 4) {
+      const qgemm::Q4<S> w{static_cast<const uint8_t*>(codes), sp, K, blocks, groups,
+                           blocks / groups};
+      qgemm::int8_path(w, x, M, N, K, y);
+    } else {
+      const qgemm::Q8<S> w{static_cast<const int8_t*>(codes), sp, K, blocks};
+      qgemm::int8_path(w, x, M, N, K, y);
+    }
+  }
+  // y [M, N] = x [M, K] W^T, split over the team (ends at a barrier)
+  void operator()(const float* x, int64_t M, float* y) const {
+    if (scale_type == at::kHalf) run<c10::Half>(x, M, y);
+    else if (scale_type == at::kBFloat16) run<c10::BFloat16>(x, M, y);
+    else run<float>(x, M, y);
+  }
+};
+
+bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linears, int64_t i) {
+  const std::optional<at::Tensor> w = linears.get(3 * i), s = linears.get(3 * i + 1);
+  if ((kind != 4 && kind != 5) || !w.has_value() || !s.has_value() ||
+      linears.get(3 * i + 2).has_value() || !w->is_contiguous() || !s->is_contiguous()) {
+    return false;
+  }
+  const at::ScalarType st = s->scalar_type();
+  return st == at::kFloat || st == at::kHalf || st == at::kBFloat16;
+}
+
+}  // namespace
+#endif
+
+bool DecoderStack::serves_team(const at::Tensor& x, const at::Tensor& cos,
+                               const std::vector<at::Tensor>& k_caches,
+                               const std::vector<at::Tensor>& v_caches,
+                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens) const {
+#ifdef KVSERVE_INT8_DOT
+  if (!team_ || layers_.empty() || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
+      x.dim() != 2 || x.size(0) < 1 || x.size(0) > kTeamRows || cos.scalar_type() != at::kFloat ||
+      cos.stride(-1) != 1) {
+    return false;
+  }
+  const at::Tensor &tables = block_tables, &lens = seq_lens;
+  if (tables.scalar_type() != at::kInt || tables.dim() != 2 || tables.stride(1) != 1 ||
+      lens.scalar_type() != at::kInt || !lens.is_contiguous() ||
+      slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != x.size(0) ||
+      lens.numel() != x.size(0)) {
+    return false;
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    const int64_t dim = l.heads[2];
+    if (l.heads != layers_[0].heads || !k_caches[i].is_contiguous() ||
+        !v_caches[i].is_contiguous() || v_caches[i].scalar_type() != at::kFloat ||
+        k_caches[i].scalar_type() != at::kFloat || (dim != 64 && dim != 128 && dim != 256) ||
+        l.norm1.scalar_type() != at::kFloat || l.norm2.scalar_type() != at::kFloat) {
+      return false;
+    }
+    for (int64_t j = 0; j < 4; ++j) {
+      if (!linear_fits(l.kinds[j], l.linears, j)) return false;
+    }
+  }
+  return true;
+#else
+  (void)x, (void)cos, (void)k_caches, (void)v_caches, (void)slot_mapping, (void)block_tables,
+      (void)seq_lens;
+  return false;
+#endif
+}
+
+void DecoderStack::forward_team(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                const std::vector<at::Tensor>& k_caches,
+                                const std::vector<at::Tensor>& v_caches,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, int64_t sliding_window) {
+#ifdef KVSERVE_INT8_DOT
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  std::vector<std::array<TeamLinear, 4>> lin;
+  lin.reserve(layers_.size());
+  int64_t qkv_n = 0, widest = 0;  // the widest qkv and gate_up outputs
+  for (const Layer& l : layers_) {
+    auto make = [&](int64_t j) {
+      return TeamLinear(l.kinds[j], *l.linears.get(3 * j), *l.linears.get(3 * j + 1));
+    };
+    lin.push_back({make(0), make(1), make(2), make(3)});
+    qkv_n = std::max(qkv_n, lin.back()[0].N);
+    widest = std::max(widest, lin.back()[2].N);
+  }
+  // The shared outputs, one per linear (its readers are done before its next writer starts:
+  // a barrier always lies between), and the attention's.
+  const Layer& first = layers_[0];
+  const int64_t heads = first.heads[0], kv_heads = first.heads[1], dim = first.heads[2];
+  at::Tensor qkv = at::empty({rows, qkv_n}, x.options());
+  at::Tensor attn = at::empty({rows, heads, dim}, x.options());
+  at::Tensor o = at::empty({rows, hidden}, x.options());
+  at::Tensor gate_up = at::empty({rows, widest}, x.options());
+  at::Tensor down = at::empty({rows, hidden}, x.options());
+  const at::Tensor q = qkv.narrow(1, 0, heads * dim).view({rows, heads, dim});
+  const at::Tensor slots_c = slot_mapping.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
+  const int64_t cos_s0 = cos.stride(0), sin_s0 = sin.stride(0);
+  float *qkv_p = qkv.data_ptr<float>(), *attn_p = attn.data_ptr<float>();
+  float *o_p = o.data_ptr<float>(), *gu_p = gate_up.data_ptr<float>();
+  float *down_p = down.data_ptr<float>(), *x_p = x.data_ptr<float>();
+  Team team;
+  ++team_steps_;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    const TeamMember member(&team);
+    thread_local std::vector<float> own;  // residual [rows, hidden], h [rows, hidden], act
+    own.resize(2 * rows * hidden + rows * widest / 2);
+    float *xr = own.data(), *h = xr + rows * hidden, *act = h + rows * hidden;
+    std::memcpy(xr, x_p, sizeof(float) * rows * hidden);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      const auto& L = lin[i];
+      const float *n1 = l.norm1.data_ptr<float>(), *n2 = l.norm2.data_ptr<float>();
+      const int64_t kv = kv_heads * dim, inter = L[2].N / 2;
+      for (int64_t r = 0; r < rows; ++r) {
+        norm_row(xr + r * hidden, n1, h + r * hidden, hidden, static_cast<float>(l.eps));
+      }
+      L[0](h, rows, qkv_p);
+      if (omp_get_thread_num() == 0) {
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = qkv_p + r * qkv_n;
+          for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
+            rope_row(row + hd * dim, cos_p + r * cos_s0, sin_p + r * sin_s0, dim / 2);
+          }
+          if (slots[r] < 0) continue;
+          float* kc = k_caches[i].data_ptr<float>() + slots[r] * kv;
+          float* vc = v_caches[i].data_ptr<float>() + slots[r] * kv;
+          std::memcpy(kc, row + heads * dim, sizeof(float) * kv);
+          std::memcpy(vc, row + heads * dim + kv, sizeof(float) * kv);
+        }
+      }
+#pragma omp barrier
+      decode_attention_avx512(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens,
+                              l.scale * l.k_scale, sliding_window, l.v_scale);
+      L[1](attn_p, rows, o_p);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* xrow = xr + r * hidden;
+        const float* orow = o_p + r * hidden;
+        for (int64_t c = 0; c < hidden; ++c) xrow[c] += orow[c];
+        norm_row(xrow, n2, h + r * hidden, hidden, static_cast<float>(l.eps));
+      }
+      L[2](h, rows, gu_p);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gu_p + r * L[2].N;
+        silu_mul_row(g, g + inter, act + r * inter, inter);
+      }
+      L[3](act, rows, down_p);
+      for (int64_t c = 0; c < rows * hidden; ++c) xr[c] += down_p[c];
+    }
+    if (omp_get_thread_num() == 0) std::memcpy(x_p, xr, sizeof(float) * rows * hidden);
+  }
+#else
+  TORCH_CHECK(false, "DecoderStack: the team step needs AVX512-VNNI in this build");
+#endif
+}
+
+}  // namespace kvserve
