@@ -26,10 +26,12 @@
 
 namespace kvserve {
 
+namespace {
+constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs (see serves_team)
+}  // namespace
+
 #ifdef KVSERVE_INT8_DOT
 namespace {
-
-constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs (see serves_team)
 
 // One linear of kind 4 (int4 tiles) or 5 (int8 tiles), its views built once per step.
 struct TeamLinear {
@@ -65,56 +67,94 @@ struct TeamLinear {
   }
 };
 
-bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linears, int64_t i) {
+// Whether linear i is an int4/int8 tile weight without bias of shape [N, K] (the kernels read
+// the raw buffers unchecked, so the shapes are checked here).
+bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linears, int64_t i,
+                 int64_t N, int64_t K) {
   const std::optional<at::Tensor> w = linears.get(3 * i), s = linears.get(3 * i + 1);
   if ((kind != 4 && kind != 5) || !w.has_value() || !s.has_value() ||
-      linears.get(3 * i + 2).has_value() || !w->is_contiguous() || !s->is_contiguous()) {
+      linears.get(3 * i + 2).has_value() || !w->is_contiguous() || !s->is_contiguous() ||
+      w->dim() != 2 || w->scalar_type() != (kind == 4 ? at::kByte : at::kChar)) {
     return false;
   }
   const at::ScalarType st = s->scalar_type();
-  return st == at::kFloat || st == at::kHalf || st == at::kBFloat16;
+  if (st != at::kFloat && st != at::kHalf && st != at::kBFloat16) return false;
+  const int64_t block_bytes = kind == 4 ? 256 : 512, blocks = w->size(1) / block_bytes;
+  if (w->size(0) * qgemm::kRows != N || w->size(1) % block_bytes != 0 ||
+      blocks * qgemm::kBlock != K) {
+    return false;
+  }
+  if (kind == 5) return s->dim() == 1 && s->size(0) == N;
+  return s->dim() == 4 && s->size(0) == w->size(0) && s->size(1) > 0 &&
+         blocks % s->size(1) == 0 && s->size(2) == 2 && s->size(3) == qgemm::kRows;
 }
 
 }  // namespace
 #endif
 
-bool DecoderStack::serves_team(const at::Tensor& x, const at::Tensor& cos,
+// Whether every layer fits the team step for rows of `hidden` (what does not change from step
+// to step: worked out once per hidden size).
+bool DecoderStack::layers_fit_team(int64_t hidden) const {
+#ifdef KVSERVE_INT8_DOT
+  if (team_checked_hidden_ == hidden) return team_layers_fit_;
+  team_checked_hidden_ = hidden;
+  team_layers_fit_ = false;
+  for (const Layer& l : layers_) {
+    const int64_t heads = l.heads[0], kv_heads = l.heads[1], dim = l.heads[2];
+    if (l.heads != layers_[0].heads || (dim != 64 && dim != 128 && dim != 256) ||
+        l.norm1.numel() != hidden || l.norm2.numel() != hidden ||
+        l.norm1.scalar_type() != at::kFloat || l.norm2.scalar_type() != at::kFloat ||
+        !l.norm1.is_contiguous() || !l.norm2.is_contiguous()) {
+      return false;
+    }
+    const std::optional<at::Tensor> gate_up = l.linears.get(6);
+    if (!gate_up.has_value() || gate_up->dim() != 2) return false;
+    const int64_t inter = gate_up->size(0) * qgemm::kRows / 2;
+    if (!linear_fits(l.kinds[0], l.linears, 0, (heads + 2 * kv_heads) * dim, hidden) ||
+        !linear_fits(l.kinds[1], l.linears, 1, hidden, heads * dim) ||
+        !linear_fits(l.kinds[2], l.linears, 2, 2 * inter, hidden) ||
+        !linear_fits(l.kinds[3], l.linears, 3, hidden, inter)) {
+      return false;
+    }
+  }
+  team_layers_fit_ = !layers_.empty();
+  return team_layers_fit_;
+#else
+  (void)hidden;
+  return false;
+#endif
+}
+
+bool DecoderStack::serves_team(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                const std::vector<at::Tensor>& k_caches,
                                const std::vector<at::Tensor>& v_caches,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens) const {
-#ifdef KVSERVE_INT8_DOT
-  if (!team_ || layers_.empty() || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
-      x.dim() != 2 || x.size(0) < 1 || x.size(0) > kTeamRows || cos.scalar_type() != at::kFloat ||
-      cos.stride(-1) != 1) {
+  if (!team_ || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() != 2 ||
+      x.size(0) < 1 || x.size(0) > kTeamRows || !layers_fit_team(x.size(1))) {
     return false;
+  }
+  const int64_t rows = x.size(0);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    if (t->scalar_type() != at::kFloat || t->stride(-1) != 1 || t->size(0) != rows) return false;
   }
   const at::Tensor &tables = block_tables, &lens = seq_lens;
   if (tables.scalar_type() != at::kInt || tables.dim() != 2 || tables.stride(1) != 1 ||
       lens.scalar_type() != at::kInt || !lens.is_contiguous() ||
-      slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != x.size(0) ||
-      lens.numel() != x.size(0)) {
+      slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != rows ||
+      lens.numel() != rows || tables.size(0) != rows) {
     return false;
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
-    const Layer& l = layers_[i];
-    const int64_t dim = l.heads[2];
-    if (l.heads != layers_[0].heads || !k_caches[i].is_contiguous() ||
-        !v_caches[i].is_contiguous() || v_caches[i].scalar_type() != at::kFloat ||
-        k_caches[i].scalar_type() != at::kFloat || (dim != 64 && dim != 128 && dim != 256) ||
-        l.norm1.scalar_type() != at::kFloat || l.norm2.scalar_type() != at::kFloat) {
+    const at::Tensor &k = k_caches[i], &v = v_caches[i];
+    const std::vector<int64_t>& heads = layers_[i].heads;
+    if (k.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat || !k.is_contiguous() ||
+        !v.is_contiguous() || k.dim() != 4 || k.sizes() != v.sizes() || k.size(2) != heads[1] ||
+        k.size(3) != heads[2]) {
       return false;
-    }
-    for (int64_t j = 0; j < 4; ++j) {
-      if (!linear_fits(l.kinds[j], l.linears, j)) return false;
     }
   }
   return true;
-#else
-  (void)x, (void)cos, (void)k_caches, (void)v_caches, (void)slot_mapping, (void)block_tables,
-      (void)seq_lens;
-  return false;
-#endif
 }
 
 void DecoderStack::forward_team(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,

@@ -130,6 +130,7 @@ void DecoderStack::add_layer(at::Tensor norm1, at::Tensor norm2, double eps,
                              c10::List<std::optional<at::Tensor>> linears,
                              std::vector<int64_t> heads, double scale, double k_scale,
                              double v_scale) {
+  team_checked_hidden_ = -1;  // layers_fit_team asks again
   layers_.push_back(Layer{std::move(norm1), std::move(norm2), eps, std::move(kinds),
                           std::move(params), std::move(linears), std::move(heads), scale,
                           k_scale, v_scale});
@@ -145,7 +146,7 @@ void DecoderStack::forward(at::Tensor x, const at::Tensor& cos, const at::Tensor
               "DecoderStack.forward: ", layers_.size(), " layers, ", k_caches.size(),
               " K and ", v_caches.size(), " V caches");
   if (!query_start_loc.has_value() &&
-      serves_team(x, cos, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
+      serves_team(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
     return forward_team(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
                         sliding_window);
   }

@@ -33,8 +33,9 @@ namespace kvserve {
   }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: x must be contiguous [rows, hidden] with the weight's dtype");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+              weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: x must be contiguous [rows, hidden] with the weight's dtype and size");
   at::Tensor out = at::empty_like(x);
   const int64_t rows = x.size(0), n = x.size(1);
   KVSERVE_FLOAT_TYPES(x.scalar_type(), "rms_norm", [&] {
@@ -52,7 +53,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 void add_rms_norm_(at::Tensor h, at::Tensor residual, const at::Tensor& weight, double eps) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && residual.is_contiguous() &&
               h.sizes() == residual.sizes() && h.scalar_type() == residual.scalar_type() &&
-              weight.scalar_type() == h.scalar_type(), "add_rms_norm_: shapes/dtypes differ");
+              weight.scalar_type() == h.scalar_type() && weight.is_contiguous() &&
+              weight.numel() == h.size(1), "add_rms_norm_: shapes/dtypes differ");
   const int64_t rows = h.size(0), n = h.size(1);
   KVSERVE_FLOAT_TYPES(h.scalar_type(), "add_rms_norm_", [&] {
     scalar_t* hp = h.data_ptr<scalar_t>();

@@ -75,7 +75,8 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t team_steps() const { return team_steps_; }  // steps the team path ran
 
  private:
-  bool serves_team(const at::Tensor& x, const at::Tensor& cos,
+  bool layers_fit_team(int64_t hidden) const;
+  bool serves_team(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                    const std::vector<at::Tensor>& k_caches,
                    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
@@ -96,6 +97,8 @@ class DecoderStack : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   bool team_ = true;
   int64_t team_steps_ = 0;
+  mutable int64_t team_checked_hidden_ = -1;  // layers_fit_team's answer, for this hidden size
+  mutable bool team_layers_fit_ = false;
 };
 
 }  // namespace kvserve

@@ -32,6 +32,10 @@ def int8_linear(out: int, inp: int, gen: torch.Generator) -> list[torch.Tensor |
     return [tiles.pack_int8(codes), torch.rand(out, generator=gen) * 0.002 + 0.0005, None]
 
 
+def dense_linear(out: int, inp: int, gen: torch.Generator) -> list[torch.Tensor | None]:
+    return [torch.randn(out, inp, generator=gen) * 0.05, None, None]
+
+
 def make_stack(layers: int, kinds: list[int], gen: torch.Generator) -> Any:
     stack = torch.classes.kvserve_cpu.DecoderStack()
     shapes = [((HEADS + 2 * KV_HEADS) * DIM, HIDDEN), (HIDDEN, HEADS * DIM),
@@ -39,7 +43,7 @@ def make_stack(layers: int, kinds: list[int], gen: torch.Generator) -> Any:
     for _ in range(layers):
         linears: list[torch.Tensor | None] = []
         for kind, (out, inp) in zip(kinds, shapes, strict=True):
-            linears += (int4_linear if kind == 4 else int8_linear)(out, inp, gen)
+            linears += {0: dense_linear, 4: int4_linear, 5: int8_linear}[kind](out, inp, gen)
         stack.add_layer(1 + 0.1 * torch.randn(HIDDEN, generator=gen),
                         1 + 0.1 * torch.randn(HIDDEN, generator=gen), 1e-5, kinds,
                         [32, 0, 32, 0], linears, [HEADS, KV_HEADS, DIM], DIM ** -0.5, 1.0, 1.0)
@@ -47,7 +51,7 @@ def make_stack(layers: int, kinds: list[int], gen: torch.Generator) -> Any:
 
 
 def step(stack: Any, layers: int, contexts: list[int], window: int, team: bool,
-         gen_seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+         gen_seed: int, hidden: int = HIDDEN) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One decode step of len(contexts) rows (row i at position contexts[i] - 1) over fresh
     random caches; the hidden states and every layer's K and V caches afterwards."""
     gen = torch.Generator().manual_seed(gen_seed)
@@ -62,7 +66,7 @@ def step(stack: Any, layers: int, contexts: list[int], window: int, team: bool,
     slots = tables.long().gather(1, (pos // BLOCK).view(-1, 1)).view(-1) * BLOCK + pos % BLOCK
     angle = pos.view(-1, 1, 1).float() * torch.rand(1, 1, DIM // 2, generator=gen)
     cos, sin = angle.cos().repeat(1, 1, 2), angle.sin().repeat(1, 1, 2)
-    x = torch.randn(rows, HIDDEN, generator=gen)
+    x = torch.randn(rows, hidden, generator=gen)
     stack.set_team(team)
     stack.forward(x, cos, sin, k_caches, v_caches, slots, tables, lens, window, None)
     return x, k_caches + v_caches
@@ -94,9 +98,17 @@ def test_team_step_equals_op_by_op(contexts: list[int], window: int, kinds: list
         torch.testing.assert_close(team_cache, ops_cache, atol=0, rtol=0)
 
 
-def test_more_rows_than_the_team_path_takes_run_op_by_op() -> None:
+def test_what_the_team_path_does_not_take_runs_op_by_op() -> None:
+    """More rows than it takes, or a dense linear, run op by op; input the layers do not fit
+    gets the op-by-op path's error, not a read past a buffer."""
     stack = make_stack(2, [4, 4, 4, 4], torch.Generator().manual_seed(3))
     step(stack, 2, [9] * 9, 0, team=True, gen_seed=1)
     assert stack.team_steps() == 0
     step(stack, 2, [9] * 8, 0, team=True, gen_seed=1)
+    assert stack.team_steps() == 1
+    dense = make_stack(2, [4, 4, 4, 0], torch.Generator().manual_seed(3))
+    x, _ = step(dense, 2, [9], 0, team=True, gen_seed=1)
+    assert dense.team_steps() == 0 and torch.isfinite(x).all()
+    with pytest.raises(RuntimeError):
+        step(stack, 2, [9], 0, team=True, gen_seed=1, hidden=HIDDEN + 32)
     assert stack.team_steps() == 1
