@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "ops.h"
@@ -31,9 +32,8 @@ constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs (see
 }  // namespace
 
 #ifdef KVSERVE_INT8_DOT
-namespace {
 
-// One linear of kind 4 (int4 tiles) or 5 (int8 tiles), its views built once per step.
+// One linear of kind 4 (int4 tiles) or 5 (int8 tiles): its weight views, built once.
 struct TeamLinear {
   int64_t kind, N, K, blocks, groups;
   const void *codes, *scales;
@@ -69,6 +69,15 @@ struct TeamLinear {
 
 // Whether linear i is an int4/int8 tile weight without bias of shape [N, K] (the kernels read
 // the raw buffers unchecked, so the shapes are checked here).
+// Each layer's four linears (qkv, o, gate_up, down) and the widest qkv and gate_up outputs, for
+// rows of `hidden`: what team_plan works out once.
+struct TeamPlan {
+  int64_t hidden, qkv_n = 0, widest = 0;
+  std::vector<std::array<TeamLinear, 4>> lin;
+};
+
+namespace {
+
 bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linears, int64_t i,
                  int64_t N, int64_t K) {
   const std::optional<at::Tensor> w = linears.get(3 * i), s = linears.get(3 * i + 1);
@@ -92,36 +101,44 @@ bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linea
 }  // namespace
 #endif
 
-// Whether every layer fits the team step for rows of `hidden` (what does not change from step
-// to step: worked out once per hidden size).
-bool DecoderStack::layers_fit_team(int64_t hidden) const {
+// The plan of the team step for rows of `hidden`, or null where a layer does not fit it (what
+// does not change from step to step: worked out once per hidden size).
+const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
 #ifdef KVSERVE_INT8_DOT
-  if (team_checked_hidden_ == hidden) return team_layers_fit_;
+  if (team_checked_hidden_ == hidden) return team_plan_.get();
   team_checked_hidden_ = hidden;
-  team_layers_fit_ = false;
+  team_plan_.reset();
+  auto plan = std::make_shared<TeamPlan>();
+  plan->hidden = hidden;
   for (const Layer& l : layers_) {
     const int64_t heads = l.heads[0], kv_heads = l.heads[1], dim = l.heads[2];
     if (l.heads != layers_[0].heads || (dim != 64 && dim != 128 && dim != 256) ||
         l.norm1.numel() != hidden || l.norm2.numel() != hidden ||
         l.norm1.scalar_type() != at::kFloat || l.norm2.scalar_type() != at::kFloat ||
         !l.norm1.is_contiguous() || !l.norm2.is_contiguous()) {
-      return false;
+      return nullptr;
     }
     const std::optional<at::Tensor> gate_up = l.linears.get(6);
-    if (!gate_up.has_value() || gate_up->dim() != 2) return false;
+    if (!gate_up.has_value() || gate_up->dim() != 2) return nullptr;
     const int64_t inter = gate_up->size(0) * qgemm::kRows / 2;
     if (!linear_fits(l.kinds[0], l.linears, 0, (heads + 2 * kv_heads) * dim, hidden) ||
         !linear_fits(l.kinds[1], l.linears, 1, hidden, heads * dim) ||
         !linear_fits(l.kinds[2], l.linears, 2, 2 * inter, hidden) ||
         !linear_fits(l.kinds[3], l.linears, 3, hidden, inter)) {
-      return false;
+      return nullptr;
     }
+    auto make = [&](int64_t j) {
+      return TeamLinear(l.kinds[j], *l.linears.get(3 * j), *l.linears.get(3 * j + 1));
+    };
+    plan->lin.push_back({make(0), make(1), make(2), make(3)});
+    plan->qkv_n = std::max(plan->qkv_n, plan->lin.back()[0].N);
+    plan->widest = std::max(plan->widest, plan->lin.back()[2].N);
   }
-  team_layers_fit_ = !layers_.empty();
-  return team_layers_fit_;
+  if (!layers_.empty()) team_plan_ = std::move(plan);
+  return team_plan_.get();
 #else
   (void)hidden;
-  return false;
+  return nullptr;
 #endif
 }
 
@@ -131,7 +148,7 @@ bool DecoderStack::serves_team(const at::Tensor& x, const at::Tensor& cos, const
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens) const {
   if (!team_ || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() != 2 ||
-      x.size(0) < 1 || x.size(0) > kTeamRows || !layers_fit_team(x.size(1))) {
+      x.size(0) < 1 || x.size(0) > kTeamRows || team_plan(x.size(1)) == nullptr) {
     return false;
   }
   const int64_t rows = x.size(0);
@@ -164,17 +181,9 @@ void DecoderStack::forward_team(at::Tensor x, const at::Tensor& cos, const at::T
                                 const at::Tensor& seq_lens, int64_t sliding_window) {
 #ifdef KVSERVE_INT8_DOT
   const int64_t rows = x.size(0), hidden = x.size(1);
-  std::vector<std::array<TeamLinear, 4>> lin;
-  lin.reserve(layers_.size());
-  int64_t qkv_n = 0, widest = 0;  // the widest qkv and gate_up outputs
-  for (const Layer& l : layers_) {
-    auto make = [&](int64_t j) {
-      return TeamLinear(l.kinds[j], *l.linears.get(3 * j), *l.linears.get(3 * j + 1));
-    };
-    lin.push_back({make(0), make(1), make(2), make(3)});
-    qkv_n = std::max(qkv_n, lin.back()[0].N);
-    widest = std::max(widest, lin.back()[2].N);
-  }
+  const TeamPlan* plan = team_plan(hidden);  // serves_team saw it
+  const auto& lin = plan->lin;
+  const int64_t qkv_n = plan->qkv_n, widest = plan->widest;
   // The shared outputs, one per linear (its readers are done before its next writer starts:
   // a barrier always lies between), and the attention's.
   const Layer& first = layers_[0];

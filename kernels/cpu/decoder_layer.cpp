@@ -130,7 +130,7 @@ void DecoderStack::add_layer(at::Tensor norm1, at::Tensor norm2, double eps,
                              c10::List<std::optional<at::Tensor>> linears,
                              std::vector<int64_t> heads, double scale, double k_scale,
                              double v_scale) {
-  team_checked_hidden_ = -1;  // layers_fit_team asks again
+  team_checked_hidden_ = -1;  // team_plan works it out again
   layers_.push_back(Layer{std::move(norm1), std::move(norm2), eps, std::move(kinds),
                           std::move(params), std::move(linears), std::move(heads), scale,
                           k_scale, v_scale});

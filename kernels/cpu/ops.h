@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -58,6 +59,8 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
 // Every decoder layer of a model, described once (`add_layer`: decoder_layer_'s per-layer
 // arguments) and run in one call per step: 30 calls of decoder_layer_ from Python cost
 // ~14 us each in argument conversion and module calls, 0.4 ms of a 5 ms SmolLM2 token.
+struct TeamPlan;  // decode_team.cpp
+
 class DecoderStack : public torch::CustomClassHolder {
  public:
   void add_layer(at::Tensor norm1, at::Tensor norm2, double eps, std::vector<int64_t> kinds,
@@ -75,7 +78,7 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t team_steps() const { return team_steps_; }  // steps the team path ran
 
  private:
-  bool layers_fit_team(int64_t hidden) const;
+  const TeamPlan* team_plan(int64_t hidden) const;
   bool serves_team(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                    const std::vector<at::Tensor>& k_caches,
                    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
@@ -97,8 +100,8 @@ class DecoderStack : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   bool team_ = true;
   int64_t team_steps_ = 0;
-  mutable int64_t team_checked_hidden_ = -1;  // layers_fit_team's answer, for this hidden size
-  mutable bool team_layers_fit_ = false;
+  mutable int64_t team_checked_hidden_ = -1;  // the hidden size team_plan_ was worked out for
+  mutable std::shared_ptr<const TeamPlan> team_plan_;  // null: the layers do not fit
 };
 
 }  // namespace kvserve
