@@ -178,7 +178,32 @@ class LlamaForCausalLM(nn.Module):
             return None
         if self._fused_stack is None:
             self._fused_stack = fused_stack(list(self.layers)) or False  # type: ignore[arg-type]
+            if self._fused_stack and self._ends_are_plain():
+                self._fused_stack.set_ends(self.rotary, self.norm.weight, self.norm.eps,
+                                           self.lm_head)
         return self._fused_stack or None
+
+    def _ends_are_plain(self) -> bool:
+        """Whether the embedding is the LM head's int8 rows and this class's own forward and
+        compute_logits stand (subclasses for tensor and pipeline parallel replace them)."""
+        from engine.quantization.methods import Int8Embedding
+
+        cls = type(self)
+        return (cls.forward is LlamaForCausalLM.forward
+                and cls.compute_logits is LlamaForCausalLM.compute_logits
+                and isinstance(self.embed_tokens, Int8Embedding)
+                and self.embed_tokens.head[0] is self.lm_head
+                and self.embed_tokens.dtype == torch.float32)
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
+                      ) -> torch.Tensor | None:
+        """`compute_logits(forward(...))` of a decode step in which every token samples, in one
+        C++ call on CPU where the fused stack can run the whole step (engine/models/cpu_layer.py:
+        FusedStack.decode_logits); None otherwise, having run nothing."""
+        stack = self._stack(input_ids)
+        return None if stack is None else stack.decode_logits(input_ids, positions, kv_caches,
+                                                              meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""

@@ -89,6 +89,9 @@ def prepare_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int 
                    ) -> BatchInputs:
     """Flattens a mixed batch of prefill chunks and decodes into varlen tensors; `previous`
     holds the last step's sampled tokens, for placeholders."""
+    decode = decode_inputs(batch, block_size, sliding_window, device, previous)
+    if decode is not None:
+        return decode
     token_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, logits_idx = [], [], []
@@ -109,6 +112,59 @@ def prepare_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int 
         logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
         sampling_rows=[item for item in batch.requests if item.sample],
     )
+
+
+def decode_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int | None,
+                  device: torch.device, previous: Mapping[str, int]) -> BatchInputs | None:
+    """prepare_inputs for a batch of decodes that all sample (every step at batch 1), or None
+    for any other batch: one pass over the rows and two tensors, an int64 one (ids, positions,
+    slots, logits rows) and an int32 one (block tables, sequence lengths, query starts), that
+    the inputs view. It runs on the worker thread before every decode step, after the event
+    loop's own Python of the step before, on the path of every token (at batch 1 on SmolLM2
+    seven tensors from lists cost ~0.1 ms of a 4 ms token, on caches the forward just swept)."""
+    rows = batch.requests
+    n, bs = len(rows), block_size
+    longs: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seq_lens: list[int] = []
+    width = 0
+    for row in rows:
+        ids = row.token_ids
+        if len(ids) != 1 or not row.sample:
+            return None
+        token = ids[0]
+        if token == PLACEHOLDER_TOKEN_ID:  # as filled_token_ids
+            token = previous.get(row.request_id, 0)
+        pos, blocks = row.start_pos, row.block_ids
+        longs.append(token)
+        positions.append(pos)
+        slots.append(blocks[pos // bs] * bs + pos % bs)
+        seq_lens.append(pos + 1)
+        width = max(width, len(blocks))
+    ints: list[int] = []
+    for row in rows:
+        ints.extend(row.block_ids)
+        ints.extend([0] * (width - len(row.block_ids)))
+    ints.extend(seq_lens)
+    ints.extend(range(n + 1))
+    longs.extend(positions)
+    longs.extend(slots)
+    longs.extend(range(n))
+    flat64 = torch.tensor(longs, dtype=torch.long).to(device)
+    flat32 = torch.tensor(ints, dtype=torch.int32).to(device)
+    meta = AttentionMetadata(
+        slot_mapping=flat64[2 * n:3 * n],
+        query_start_loc=flat32[n * width + n:],
+        seq_lens=flat32[n * width:n * width + n],
+        block_tables=flat32[:n * width].view(n, width),
+        query_lens_list=[1] * n,
+        seq_lens_list=seq_lens,
+        block_size=bs,
+        sliding_window=sliding_window,
+    )
+    return BatchInputs(input_ids=flat64[:n], positions=flat64[n:2 * n], meta=meta,
+                       logits_indices=flat64[3 * n:], sampling_rows=list(rows))
 
 
 def attention_metadata(batch: SchedulerOutput, positions: list[int], query_lens: list[int],

@@ -255,16 +255,27 @@ class ModelRunner:
         else:
             inputs = prepare_inputs(batch, self.block_size, self.config.sliding_window,
                                     self.device, previous)
+            rows = inputs.sampling_rows
+            if len(rows) == inputs.input_ids.shape[0]:  # every token samples, in order
+                logits = self.model.decode_logits(inputs.input_ids, inputs.positions,
+                                                  self.kv_caches, inputs.meta)
+                if logits is not None:  # the whole step was one C++ call
+                    return self._sample_logits(logits, rows, previous)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            if not inputs.sampling_rows:
+            if not rows:
                 return StepResult()
-            hidden, rows = hidden[inputs.logits_indices], inputs.sampling_rows
+            if len(rows) != hidden.shape[0]:
+                hidden = hidden[inputs.logits_indices]
         return self._sample(hidden, rows, previous)
 
     def _sample(self, hidden: torch.Tensor, rows: list[ScheduledRequest],
                 previous: dict[str, int]) -> StepResult:
         """Logits of the sampling rows' hidden states, sampled."""
-        logits = self.model.compute_logits(hidden)
+        return self._sample_logits(self.model.compute_logits(hidden), rows, previous)
+
+    def _sample_logits(self, logits: torch.Tensor, rows: list[ScheduledRequest],
+                       previous: dict[str, int]) -> StepResult:
+        """The sampling rows' logits, sampled."""
         tokens, logprobs = self.sampler.sample(logits, with_history(rows, previous))
         grammar = self.sampler.last_grammar_result
         result = StepResult(grammar_terminated=grammar.terminated,

@@ -71,9 +71,11 @@ struct TeamLinear {
 // the raw buffers unchecked, so the shapes are checked here).
 // Each layer's four linears (qkv, o, gate_up, down) and the widest qkv and gate_up outputs, for
 // rows of `hidden`: what team_plan works out once.
+// With the model's ends set (set_ends) and fitting, also the LM head.
 struct TeamPlan {
   int64_t hidden, qkv_n = 0, widest = 0;
   std::vector<std::array<TeamLinear, 4>> lin;
+  std::optional<TeamLinear> head;
 };
 
 namespace {
@@ -134,6 +136,15 @@ const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
     plan->qkv_n = std::max(plan->qkv_n, plan->lin.back()[0].N);
     plan->widest = std::max(plan->widest, plan->lin.back()[2].N);
   }
+  if (ends_.has_value() && ends_->norm.scalar_type() == at::kFloat &&
+      ends_->norm.is_contiguous() && ends_->norm.numel() == hidden &&
+      ends_->head_qweight.dim() == 2) {
+    const c10::List<std::optional<at::Tensor>> head({ends_->head_qweight, ends_->head_scales,
+                                                     std::nullopt});
+    if (linear_fits(5, head, 0, ends_->head_qweight.size(0) * qgemm::kRows, hidden)) {
+      plan->head.emplace(5, ends_->head_qweight, ends_->head_scales);
+    }
+  }
   if (!layers_.empty()) team_plan_ = std::move(plan);
   return team_plan_.get();
 #else
@@ -142,8 +153,7 @@ const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
 #endif
 }
 
-bool DecoderStack::serves_team(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                               const std::vector<at::Tensor>& k_caches,
+bool DecoderStack::serves_team(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
                                const std::vector<at::Tensor>& v_caches,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens) const {
@@ -152,9 +162,6 @@ bool DecoderStack::serves_team(const at::Tensor& x, const at::Tensor& cos, const
     return false;
   }
   const int64_t rows = x.size(0);
-  for (const at::Tensor* t : {&cos, &sin}) {
-    if (t->scalar_type() != at::kFloat || t->stride(-1) != 1 || t->size(0) != rows) return false;
-  }
   const at::Tensor &tables = block_tables, &lens = seq_lens;
   if (tables.scalar_type() != at::kInt || tables.dim() != 2 || tables.stride(1) != 1 ||
       lens.scalar_type() != at::kInt || !lens.is_contiguous() ||
@@ -174,11 +181,13 @@ bool DecoderStack::serves_team(const at::Tensor& x, const at::Tensor& cos, const
   return true;
 }
 
-void DecoderStack::forward_team(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+void DecoderStack::forward_team(at::Tensor x, const float* const* cos_rows,
+                                const float* const* sin_rows,
                                 const std::vector<at::Tensor>& k_caches,
                                 const std::vector<at::Tensor>& v_caches,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                                const at::Tensor& seq_lens, int64_t sliding_window) {
+                                const at::Tensor& seq_lens, int64_t sliding_window,
+                                float* logits) {
 #ifdef KVSERVE_INT8_DOT
   const int64_t rows = x.size(0), hidden = x.size(1);
   const TeamPlan* plan = team_plan(hidden);  // serves_team saw it
@@ -196,8 +205,6 @@ void DecoderStack::forward_team(at::Tensor x, const at::Tensor& cos, const at::T
   const at::Tensor q = qkv.narrow(1, 0, heads * dim).view({rows, heads, dim});
   const at::Tensor slots_c = slot_mapping.contiguous();
   const int64_t* slots = slots_c.data_ptr<int64_t>();
-  const float *cos_p = cos.data_ptr<float>(), *sin_p = sin.data_ptr<float>();
-  const int64_t cos_s0 = cos.stride(0), sin_s0 = sin.stride(0);
   float *qkv_p = qkv.data_ptr<float>(), *attn_p = attn.data_ptr<float>();
   float *o_p = o.data_ptr<float>(), *gu_p = gate_up.data_ptr<float>();
   float *down_p = down.data_ptr<float>(), *x_p = x.data_ptr<float>();
@@ -223,7 +230,7 @@ void DecoderStack::forward_team(at::Tensor x, const at::Tensor& cos, const at::T
         for (int64_t r = 0; r < rows; ++r) {
           float* row = qkv_p + r * qkv_n;
           for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
-            rope_row(row + hd * dim, cos_p + r * cos_s0, sin_p + r * sin_s0, dim / 2);
+            rope_row(row + hd * dim, cos_rows[r], sin_rows[r], dim / 2);
           }
           if (slots[r] < 0) continue;
           float* kc = k_caches[i].data_ptr<float>() + slots[r] * kv;
@@ -250,10 +257,71 @@ void DecoderStack::forward_team(at::Tensor x, const at::Tensor& cos, const at::T
       L[3](act, rows, down_p);
       for (int64_t c = 0; c < rows * hidden; ++c) xr[c] += down_p[c];
     }
-    if (omp_get_thread_num() == 0) std::memcpy(x_p, xr, sizeof(float) * rows * hidden);
+    if (logits != nullptr) {  // the final norm (each thread its own copy) and the LM head
+      const float* n = ends_->norm.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        norm_row(xr + r * hidden, n, h + r * hidden, hidden, static_cast<float>(ends_->eps));
+      }
+      (*plan->head)(h, rows, logits);
+    } else if (omp_get_thread_num() == 0) {
+      std::memcpy(x_p, xr, sizeof(float) * rows * hidden);
+    }
   }
 #else
   TORCH_CHECK(false, "DecoderStack: the team step needs AVX512-VNNI in this build");
+#endif
+}
+
+void DecoderStack::set_ends(at::Tensor cos_table, at::Tensor sin_table, at::Tensor norm,
+                            double eps, at::Tensor head_qweight, at::Tensor head_scales) {
+  team_checked_hidden_ = -1;  // team_plan works it out again
+  ends_ = Ends{std::move(cos_table), std::move(sin_table), std::move(norm), eps,
+               std::move(head_qweight), std::move(head_scales)};
+}
+
+std::optional<at::Tensor> DecoderStack::forward_logits(
+    const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& k_caches,
+    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t sliding_window) {
+  TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+              "DecoderStack.forward_logits: ", layers_.size(), " layers, ", k_caches.size(),
+              " K and ", v_caches.size(), " V caches");
+#ifndef KVSERVE_INT8_DOT
+  return std::nullopt;  // no team step in this build
+#else
+  if (!ends_.has_value() || layers_.empty() || ids.dim() != 1 || ids.size(0) < 1 ||
+      ids.size(0) > kTeamRows) {
+    return std::nullopt;
+  }
+  const Ends& e = ends_.value();
+  const int64_t rows = ids.size(0), dim = layers_[0].heads[2];
+  const at::Tensor& ct = e.cos_table;
+  const at::Tensor& st = e.sin_table;
+  if (positions.scalar_type() != at::kLong || positions.dim() != 1 ||
+      positions.size(0) != rows || ct.scalar_type() != at::kFloat || ct.dim() != 2 ||
+      !ct.is_contiguous() || ct.size(1) != dim || st.sizes() != ct.sizes() ||
+      st.scalar_type() != at::kFloat || !st.is_contiguous()) {
+    return std::nullopt;
+  }
+  // The embedding as LlamaForCausalLM's Int8Embedding computes it (the ids are checked there).
+  at::Tensor x = q8_embedding(ids, e.head_qweight, e.head_scales, at::kFloat);
+  if (!serves_team(x, k_caches, v_caches, slot_mapping, block_tables, seq_lens) ||
+      !team_plan(x.size(1))->head.has_value()) {
+    return std::nullopt;
+  }
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  std::array<const float*, kTeamRows> cos_rows{}, sin_rows{};
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(p[r] >= 0 && p[r] < ct.size(0), "DecoderStack.forward_logits: position ", p[r],
+                " is past the rotary table's ", ct.size(0), " positions");
+    cos_rows[r] = ct.data_ptr<float>() + p[r] * dim;
+    sin_rows[r] = st.data_ptr<float>() + p[r] * dim;
+  }
+  at::Tensor logits = at::empty({rows, team_plan(x.size(1))->head->N}, x.options());
+  forward_team(x, cos_rows.data(), sin_rows.data(), k_caches, v_caches, slot_mapping,
+               block_tables, seq_lens, sliding_window, logits.data_ptr<float>());
+  return logits;
 #endif
 }
 

@@ -146,9 +146,21 @@ void DecoderStack::forward(at::Tensor x, const at::Tensor& cos, const at::Tensor
               "DecoderStack.forward: ", layers_.size(), " layers, ", k_caches.size(),
               " K and ", v_caches.size(), " V caches");
   if (!query_start_loc.has_value() &&
-      serves_team(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
-    return forward_team(x, cos, sin, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
-                        sliding_window);
+      serves_team(x, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
+    const int64_t rows = x.size(0);  // at most a few, as serves_team saw
+    const bool rope_fits = cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                           cos.size(0) == rows && sin.size(0) == rows && cos.stride(-1) == 1 &&
+                           sin.stride(-1) == 1 && cos.size(-1) == layers_[0].heads[2] &&
+                           sin.size(-1) == layers_[0].heads[2];
+    if (rope_fits) {  // each row's angles
+      std::vector<const float*> cos_rows, sin_rows;
+      for (int64_t r = 0; r < rows; ++r) {
+        cos_rows.push_back(cos.data_ptr<float>() + r * cos.stride(0));
+        sin_rows.push_back(sin.data_ptr<float>() + r * sin.stride(0));
+      }
+      return forward_team(x, cos_rows.data(), sin_rows.data(), k_caches, v_caches,
+                          slot_mapping, block_tables, seq_lens, sliding_window, nullptr);
+    }
   }
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];

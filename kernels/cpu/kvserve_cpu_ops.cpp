@@ -62,7 +62,9 @@ TORCH_LIBRARY(kvserve_cpu, m) {
       .def("forward", &kvserve::DecoderStack::forward)
       .def("size", &kvserve::DecoderStack::size)
       .def("set_team", &kvserve::DecoderStack::set_team)
-      .def("team_steps", &kvserve::DecoderStack::team_steps);
+      .def("team_steps", &kvserve::DecoderStack::team_steps)
+      .def("set_ends", &kvserve::DecoderStack::set_ends)
+      .def("forward_logits", &kvserve::DecoderStack::forward_logits);
   m.def("int8_dot_available() -> bool", &kvserve::int8_dot_available);
 }
 

@@ -76,18 +76,40 @@ class DecoderStack : public torch::CustomClassHolder {
   // can; on by default, off to run the op-by-op path (the tests compare the two).
   void set_team(bool on) { team_ = on; }
   int64_t team_steps() const { return team_steps_; }  // steps the team path ran
+  // The model's two ends, for forward_logits: the rotary tables [positions, head_dim], the
+  // final norm, and an LM head of int8 tiles without bias whose rows are also the embedding
+  // (a tied one, read as q8_embedding reads it).
+  void set_ends(at::Tensor cos_table, at::Tensor sin_table, at::Tensor norm, double eps,
+                at::Tensor head_qweight, at::Tensor head_scales);
+  // A decode step from token ids to float32 logits [rows, vocab]: the embedding, every layer,
+  // the final norm and the LM head in one parallel region; None where the team step does not
+  // take the step (nothing has run then: the caller runs forward instead).
+  std::optional<at::Tensor> forward_logits(const at::Tensor& ids, const at::Tensor& positions,
+                                           const std::vector<at::Tensor>& k_caches,
+                                           const std::vector<at::Tensor>& v_caches,
+                                           const at::Tensor& slot_mapping,
+                                           const at::Tensor& block_tables,
+                                           const at::Tensor& seq_lens, int64_t sliding_window);
 
  private:
   const TeamPlan* team_plan(int64_t hidden) const;
-  bool serves_team(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                   const std::vector<at::Tensor>& k_caches,
+  bool serves_team(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
                    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
-  void forward_team(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+  // The team step on x; each row's rotary angles from cos_rows/sin_rows; with `logits` also
+  // the final norm and the LM head into it (x then keeps its input).
+  void forward_team(at::Tensor x, const float* const* cos_rows, const float* const* sin_rows,
                     const std::vector<at::Tensor>& k_caches,
                     const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    int64_t sliding_window);
+                    int64_t sliding_window, float* logits);
+
+  struct Ends {
+    at::Tensor cos_table, sin_table, norm;
+    double eps;
+    at::Tensor head_qweight, head_scales;
+  };
+  std::optional<Ends> ends_;
 
   struct Layer {
     at::Tensor norm1, norm2;
