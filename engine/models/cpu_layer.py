@@ -142,9 +142,8 @@ class FusedStack:
         token ids in one C++ call (embedding, layers, final norm, LM head in one parallel
         region: at batch 1 on SmolLM2 the four calls around the layers cost ~0.15 ms of a 4 ms
         token), or None where that step does not take the batch (nothing has run then)."""
-        if not self.has_ends or meta.num_seqs != input_ids.shape[0] or (
-                self.max_rows is not None and input_ids.shape[0] > self.max_rows) or any(
-                f.attn.backend is not f.backend for f in self.layers):
+        if not self.has_ends or meta.num_seqs != input_ids.shape[0] or \
+                not self.serves(input_ids, meta):
             return None
         logits: torch.Tensor | None = self.stack.forward_logits(
             input_ids, positions, [k for k, _ in kv_caches], [v for _, v in kv_caches],

@@ -305,10 +305,11 @@ std::optional<at::Tensor> DecoderStack::forward_logits(
   }
   // The embedding as LlamaForCausalLM's Int8Embedding computes it (the ids are checked there).
   at::Tensor x = q8_embedding(ids, e.head_qweight, e.head_scales, at::kFloat);
-  if (!serves_team(x, k_caches, v_caches, slot_mapping, block_tables, seq_lens) ||
-      !team_plan(x.size(1))->head.has_value()) {
+  if (!serves_team(x, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
     return std::nullopt;
   }
+  const TeamPlan* plan = team_plan(x.size(1));  // serves_team saw it
+  if (!plan->head.has_value()) return std::nullopt;
   const at::Tensor pos = positions.contiguous();
   const int64_t* p = pos.data_ptr<int64_t>();
   std::array<const float*, kTeamRows> cos_rows{}, sin_rows{};
@@ -318,7 +319,7 @@ std::optional<at::Tensor> DecoderStack::forward_logits(
     cos_rows[r] = ct.data_ptr<float>() + p[r] * dim;
     sin_rows[r] = st.data_ptr<float>() + p[r] * dim;
   }
-  at::Tensor logits = at::empty({rows, team_plan(x.size(1))->head->N}, x.options());
+  at::Tensor logits = at::empty({rows, plan->head->N}, x.options());
   forward_team(x, cos_rows.data(), sin_rows.data(), k_caches, v_caches, slot_mapping,
                block_tables, seq_lens, sliding_window, logits.data_ptr<float>());
   return logits;
