@@ -25,9 +25,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                  "fp16": "float16"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-# --quantization: weight-only methods applied at load (engine/quantization/); awq, gptq and
-# gguf keep a checkpoint's own 4-bit codes. auto (the default, vLLM's None): the checkpoint's
-# own method, a GGUF file's 4-bit blocks in place where the CPU runs int4 fused, else none.
+# --quantization: weight-only methods applied at load (engine/quantization/); awq and gptq
+# keep a checkpoint's own 4-bit codes, gguf a GGUF file's quantized blocks (Q4_0/1, Q5_0/1,
+# Q8_0, Q4_K, Q5_K; Q6_K on 8 bits). auto (the default, vLLM's None): the checkpoint's own
+# method, a GGUF file's blocks in place where the CPU runs int4 fused, else none.
 QUANTIZATION_METHODS = ("auto", "none", "int8", "int4", "awq", "gptq", "gguf")
 # Group sizes torch's int4 CPU kernel takes (--quantization-group-size).
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -151,7 +152,7 @@ def effective_quantization(requested: str, cfg: ModelConfig, source_kind: str = 
                          f"{requested} (its config.json names quant_method {requested!r}); this "
                          "model has no quantization_config")
     if requested == "gguf" and source_kind != "gguf":
-        raise ValueError("--quantization gguf keeps a GGUF file's 4-bit blocks; this model is "
+        raise ValueError("--quantization gguf keeps a GGUF file's quantized blocks; this model is "
                          "not a GGUF file")
     if requested == "auto":
         return "gguf" if source_kind == "gguf" and gguf_in_place else "none"
@@ -178,9 +179,10 @@ class EngineArgs:
                        "CUDA and on CPUs with avx512_bf16 or amx_bf16, else float32)", plan=True)
     quantization: str = _flag(
         "auto", "weight-only quantization of the linear layers, done at load: none, int8 (per "
-        "output channel) or int4 (per group of --quantization-group-size inputs); awq, gptq "
-        "and gguf keep a checkpoint's own 4-bit codes. auto: an AWQ/GPTQ checkpoint's method, a "
-        "GGUF file's Q4 blocks in place (gguf) on CPUs that run int4 fused, else none",
+        "output channel) or int4 (per group of --quantization-group-size inputs); awq and gptq "
+        "keep a checkpoint's own 4-bit codes, gguf a GGUF file's Q4_0/1, Q5_0/1, Q8_0, Q4_K, "
+        "Q5_K and Q6_K blocks. auto: an AWQ/GPTQ checkpoint's method, a GGUF file's blocks in "
+        "place (gguf) on CPUs that run int4 fused, else none",
         plan=True,
         choices=QUANTIZATION_METHODS)
     quantization_group_size: int | None = _flag(

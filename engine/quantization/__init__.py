@@ -23,7 +23,7 @@ from engine.config import (
 from engine.cpu_features import auto_cpu_dtype
 from engine.models.cpu_linear import PackedLinear
 from engine.quantization import tiles
-from engine.quantization.checkpoint import CheckpointCodes
+from engine.quantization.checkpoint import CheckpointCodes, LayerCodes
 from engine.quantization.methods import (
     ApplyPlan,
     Int4Method,
@@ -31,6 +31,7 @@ from engine.quantization.methods import (
     Int8Method,
     LinearMethod,
     QuantizedLinear,
+    U8BlockMethod,
 )
 
 logger = logging.getLogger("kvserve")
@@ -163,17 +164,19 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
     fused = 0
     compute_dtype = plan.compute_dtype
     for name, module in targets:
-        tensors = None
+        tensors, layer_method = None, linear_method
         if checkpoint is not None:
             if name not in parts:
                 continue  # a layer the checkpoint keeps in float
-            tensors = checkpoint.layer_tensors(parts[name], linear_method)  # type: ignore[arg-type]
-            if tensors is None:
+            codes = checkpoint.layer_codes(parts[name])
+            if codes is None:
                 logger.warning("%s: GPTQ act-order groups are not contiguous; %s is "
                                "re-quantized to int4 groups of 32 from its exact float weight",
                                method, name)
                 tensors = make_method("int4", plan, None).create_weights(module.weight.detach())
-        layer = QuantizedLinear(module, linear_method, tensors)
+            else:
+                layer_method, tensors = checkpoint_tensors(codes, linear_method)
+        layer = QuantizedLinear(module, layer_method, tensors)
         fused += layer.fused
         compute_dtype = layer.activation_dtype or model_dtype
         _replace(model, name, layer)
@@ -181,6 +184,23 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
     _quantize_lm_head(model, head_method, plan, group_size, model_dtype)
     return QuantizationReport(method, len(parts) if checkpoint is not None else len(targets),
                               fused, compute_dtype, head_method, reason)
+
+
+def checkpoint_tensors(codes: LayerCodes, int4: LinearMethod
+                       ) -> tuple[LinearMethod, dict[str, torch.Tensor]]:
+    """A checkpoint layer's method and tensors, from its codes exactly: 4-bit codes through
+    `int4` (its scales in float16, as the checkpoint stores them), 8-bit ones (a GGUF file's
+    Q8_0 and Q5 blocks) through U8BlockMethod under the same plan."""
+    if codes.bits == 8:
+        u8 = U8BlockMethod(int4.plan)
+        reason = probe_fused(u8) if u8.plan.fuses else None
+        if reason is not None:
+            logger.warning("the fused 8-bit block kernel failed its startup probe (%s); "
+                           "dequantizing each such weight before its matmul instead", reason)
+            u8 = U8BlockMethod(ApplyPlan("dequant", int4.plan.compute_dtype))
+        return u8, u8.weights_from_codes(codes.codes, codes.scales, codes.mins())
+    return int4, int4.weights_from_codes(codes.codes, codes.scales,  # type: ignore[attr-defined]
+                                         codes.offsets, torch.float16)
 
 
 def checkpoint_parts(model: nn.Module, checkpoint: CheckpointCodes) -> dict[str, list[str]]:
@@ -302,6 +322,7 @@ __all__ = [
     "LinearMethod",
     "QuantizationReport",
     "QuantizedLinear",
+    "U8BlockMethod",
     "apply_plan",
     "cast_float_parameters",
     "make_method",

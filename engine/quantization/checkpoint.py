@@ -14,7 +14,8 @@ for GPTQ `g_idx` (each input row's group). The layouts:
 
 `CheckpointCodes.weights` turns the checkpoint's tensors into float weights for the model's
 loader (so fused q/k/v and gate/up rows land where they always do) and keeps each layer's codes;
-`layer_tensors` then builds the fused layer's int4 tensors from the codes exactly: tinygemm's
+`layer_codes` then joins a fused layer's codes, from which `quantize_model` builds its int4
+tensors exactly: tinygemm's
 zero is (8 - z) x s. GPTQ's act-order (`desc_act`, a g_idx that is not contiguous groups) has no
 contiguous-group layout: those layers are re-quantized from their float weights, with a WARNING.
 """
@@ -30,8 +31,6 @@ from typing import Any
 
 import torch
 
-from engine.quantization.methods import Int4Method
-
 logger = logging.getLogger("kvserve")
 
 CHECKPOINT_METHODS = ("awq", "gptq")
@@ -43,7 +42,7 @@ SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 class CheckpointQuantization:
     """What config.json's quantization_config says."""
 
-    method: str  # "awq", "gptq", or "gguf" (a GGUF file's Q4_0/Q4_1 blocks)
+    method: str  # "awq", "gptq", or "gguf" (a GGUF file's quantized blocks)
     group_size: int  # -1: one group over the whole input
     zero_offset: int  # added to the stored zero points (GPTQ v1 stores z - 1)
 
@@ -92,14 +91,18 @@ def unpack_rows(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) 
 
 @dataclass
 class LayerCodes:
-    """One quantized layer: codes [out, in] in 0..15, and per group [out, groups] a scale and
-    tinygemm's offset: w = (q - 8) x scale + offset. A checkpoint's integer zero point z gives
-    offset (8 - z) x scale; GGUF's Q4_1 (w = d q + m) gives 8 d + m, Q4_0 (d (q - 8)) gives 0."""
+    """One quantized layer: codes [out, in] of `bits` bits (0..15 or 0..255), and per group
+    [out, groups] a scale and an offset: w = (q - center) x scale + offset, the center 8 for
+    4-bit codes (tinygemm's offset) and 0 for 8-bit ones (the offset is then the group's min,
+    kept exactly). A checkpoint's integer zero point z gives offset (8 - z) x scale; GGUF's
+    Q4_1 (w = d q + m) gives 8 d + m, Q4_0 (d (q - 8)) gives 0, Q8_0 (d c, c signed, stored
+    here as q = c + 128) gives -128 d."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     contiguous_groups: bool = True
+    bits: int = 4
 
     @classmethod
     def from_zero_points(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -107,13 +110,38 @@ class LayerCodes:
         """Codes with integer zero points z: w = (q - z) x scale."""
         return cls(codes, scales, (8.0 - zeros) * scales, contiguous_groups)
 
+    @property
+    def center(self) -> float:
+        """The code the offset sits at."""
+        return 8.0 if self.bits == 4 else 0.0
+
+    def mins(self) -> torch.Tensor:
+        """w at code 0 per group: w = q x scale + min."""
+        return self.offsets - self.center * self.scales
+
+    def widened(self) -> LayerCodes:
+        """The same weights as 8-bit codes (the codes unchanged, the offsets moved)."""
+        if self.bits == 8:
+            return self
+        return LayerCodes(self.codes, self.scales, self.mins(), self.contiguous_groups, 8)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] the codes stand for."""
         out_features, in_features = self.codes.shape
         groups = self.scales.shape[1]
-        w = (self.codes.reshape(out_features, groups, -1).float() - 8.0) * \
+        w = (self.codes.reshape(out_features, groups, -1).float() - self.center) * \
             self.scales[..., None] + self.offsets[..., None]
         return w.reshape(out_features, in_features)
+
+    @classmethod
+    def concatenated(cls, layers: list[LayerCodes]) -> LayerCodes:
+        """The layers' rows stacked (a fused linear), at the widest of their code widths."""
+        if any(layer.bits == 8 for layer in layers):
+            layers = [layer.widened() for layer in layers]
+        return cls(torch.cat([layer.codes for layer in layers]),
+                   torch.cat([layer.scales for layer in layers]),
+                   torch.cat([layer.offsets for layer in layers]),
+                   all(layer.contiguous_groups for layer in layers), layers[0].bits)
 
 
 def awq_layer(tensors: dict[str, torch.Tensor], group: int) -> LayerCodes:
@@ -185,12 +213,8 @@ class CheckpointCodes:
                              f"{sorted(pending)[:3]} (each needs qweight, qzeros, scales"
                              f"{', g_idx' if self.quant.method == 'gptq' else ''})")
 
-    def layer_tensors(self, parts: list[str], method: Int4Method) -> dict[str, torch.Tensor] | None:
-        """The int4 tensors of a fused layer made of the checkpoint modules `parts` (in row
-        order), built from their codes; None when a part is act-order (re-quantize instead)."""
-        layers = [self.layers[p] for p in parts]
-        if not all(layer.contiguous_groups for layer in layers):
-            return None
-        return method.weights_from_codes(torch.cat([layer.codes for layer in layers]),
-                                         torch.cat([layer.scales for layer in layers]),
-                                         torch.cat([layer.offsets for layer in layers]))
+    def layer_codes(self, parts: list[str]) -> LayerCodes | None:
+        """The codes of a fused layer made of the checkpoint modules `parts` (in row order);
+        None when a part is act-order (re-quantize instead)."""
+        codes = LayerCodes.concatenated([self.layers[p] for p in parts])
+        return codes if codes.contiguous_groups else None

@@ -7,6 +7,8 @@ rows, each summing 4 consecutive inputs, so a block of 32 inputs is 8 operands o
   and operand j + 4 in its high ones; byte 4l + i of operand c is row l's input 32b + 4c + i.
   Scales and mins: [tiles, groups, 2, 16] (w = scale x q + min).
 - int8: block b of tile t is its 8 operands of 64 bytes, [tiles, blocks x 512].
+- 8-bit codes (a GGUF file's Q8_0 and Q5 blocks): uint8 codes in the int8 layout, with int4's
+  scales and mins (w = scale x q + min, q in 0..255).
 
 `pack_*` turn codes [out, in] into a layout, `unpack_*` return them (the tests and
 `dequantize` read weights back through them); a tied embedding reads single int8 rows with the
@@ -53,17 +55,46 @@ def _from_operands(ops: torch.Tensor) -> torch.Tensor:
 def pack_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """codes [out, in] in 0..15, scales and mins [out, groups] -> (qweight, scale_mins)."""
-    out_features, in_features = codes.shape
-    if not tiles_fit(out_features, in_features):
-        raise ValueError(f"an int4 tile layout needs out % {TILE_ROWS} and in % {BLOCK} == 0, "
-                         f"got [{out_features}, {in_features}]")
+    _check_fit("int4", codes)
     ops = _operands(codes.to(torch.uint8))
     runs = ops[:, :, :4] | (ops[:, :, 4:] << 4)  # [tiles, blocks, 4, 16, 4]
-    qweight = runs.reshape(out_features // TILE_ROWS, -1).contiguous()
+    qweight = runs.reshape(codes.shape[0] // TILE_ROWS, -1).contiguous()
+    return qweight, _scale_mins(scales, mins, dtype)
+
+
+def _scale_mins(scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scales and mins [out, groups] -> [tiles, groups, 2, 16] in `dtype`."""
     groups = scales.shape[1]
     planes = torch.stack((scales, mins), dim=1).to(dtype)  # [out, 2, groups]
-    scale_mins = planes.reshape(-1, TILE_ROWS, 2, groups).permute(0, 3, 2, 1).contiguous()
-    return qweight, scale_mins
+    return planes.reshape(-1, TILE_ROWS, 2, groups).permute(0, 3, 2, 1).contiguous()
+
+
+def _split_scale_mins(scale_mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `_scale_mins`: (scales, mins) [out, groups]."""
+    planes = scale_mins.permute(0, 3, 2, 1).reshape(scale_mins.shape[0] * TILE_ROWS, 2, -1)
+    return planes[:, 0], planes[:, 1]
+
+
+def _check_fit(kind: str, codes: torch.Tensor) -> None:
+    out_features, in_features = codes.shape
+    if not tiles_fit(out_features, in_features):
+        raise ValueError(f"an {kind} tile layout needs out % {TILE_ROWS} and in % {BLOCK} == 0, "
+                         f"got [{out_features}, {in_features}]")
+
+
+def pack_u8(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [out, in] in 0..255, scales and mins [out, groups] -> (qweight, scale_mins)."""
+    _check_fit("8-bit", codes)
+    qweight = _operands(codes.to(torch.uint8)).reshape(codes.shape[0] // TILE_ROWS, -1)
+    return qweight.contiguous(), _scale_mins(scales, mins, dtype)
+
+
+def unpack_u8(qweight: torch.Tensor, scale_mins: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight, scale_mins) -> codes [out, in] int32, scales and mins [out, groups]."""
+    ops = qweight.reshape(qweight.shape[0], -1, 8, TILE_ROWS, 4)
+    return (_from_operands(ops).to(torch.int32), *_split_scale_mins(scale_mins))
 
 
 def unpack_int4(qweight: torch.Tensor, scale_mins: torch.Tensor
@@ -72,18 +103,13 @@ def unpack_int4(qweight: torch.Tensor, scale_mins: torch.Tensor
     tiles = qweight.shape[0]
     runs = qweight.reshape(tiles, -1, 4, TILE_ROWS, 4)
     ops = torch.cat((runs & 0xF, runs >> 4), dim=2)
-    codes = _from_operands(ops).to(torch.int32)
-    planes = scale_mins.permute(0, 3, 2, 1).reshape(tiles * TILE_ROWS, 2, -1)
-    return codes, planes[:, 0], planes[:, 1]
+    return (_from_operands(ops).to(torch.int32), *_split_scale_mins(scale_mins))
 
 
 def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     """int8 codes [out, in] -> the tiled layout [tiles, blocks x 512]."""
-    out_features, in_features = codes.shape
-    if not tiles_fit(out_features, in_features):
-        raise ValueError(f"an int8 tile layout needs out % {TILE_ROWS} and in % {BLOCK} == 0, "
-                         f"got [{out_features}, {in_features}]")
-    return _operands(codes).reshape(out_features // TILE_ROWS, -1).contiguous()
+    _check_fit("int8", codes)
+    return _operands(codes).reshape(codes.shape[0] // TILE_ROWS, -1).contiguous()
 
 
 def unpack_int8(qweight: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 // DecoderStack's decode step in one parallel region (team.h): every layer of a pure-decode
-// batch of a few rows whose linears are all kvserve's tiled int4/int8 ones (kinds 4 and 5,
+// batch of a few rows whose linears are all kvserve's tiled int4/int8/8-bit ones (kinds 4-6,
 // no bias), float32 activations and a float32 cache. The layer is decoder_layer_'s, on raw
 // buffers:
 //
@@ -33,16 +33,18 @@ constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs (see
 
 #ifdef KVSERVE_INT8_DOT
 
-// One linear of kind 4 (int4 tiles) or 5 (int8 tiles): its weight views, built once.
+// One linear of kind 4 (int4 tiles), 5 (int8 tiles) or 6 (8-bit code tiles): its weight
+// views, built once.
 struct TeamLinear {
   int64_t kind, N, K, blocks, groups;
   const void *codes, *scales;
   at::ScalarType scale_type;
 
+  static int64_t block_bytes(int64_t kind) { return kind == 4 ? 256 : 512; }
   TeamLinear(int64_t kind_, const at::Tensor& qweight, const at::Tensor& s)
       : kind(kind_), N(qweight.size(0) * qgemm::kRows),
-        blocks(qweight.size(1) / (kind_ == 4 ? 256 : 512)),
-        groups(kind_ == 4 ? s.size(1) : 1), codes(qweight.data_ptr()), scales(s.data_ptr()),
+        blocks(qweight.size(1) / block_bytes(kind_)),
+        groups(kind_ == 5 ? 1 : s.size(1)), codes(qweight.data_ptr()), scales(s.data_ptr()),
         scale_type(s.scalar_type()) {
     K = blocks * qgemm::kBlock;
   }
@@ -50,10 +52,11 @@ struct TeamLinear {
   template <typename S>
   void run(const float* x, int64_t M, float* y) const {
     const S* sp = static_cast<const S*>(scales);
+    const auto* u = static_cast<const uint8_t*>(codes);
     if (kind == 4) {
-      const qgemm::Q4<S> w{static_cast<const uint8_t*>(codes), sp, K, blocks, groups,
-                           blocks / groups};
-      qgemm::int8_path(w, x, M, N, K, y);
+      qgemm::int8_path(qgemm::Q4<S>{u, sp, K, blocks, groups, blocks / groups}, x, M, N, K, y);
+    } else if (kind == 6) {
+      qgemm::int8_path(qgemm::U8<S>{u, sp, K, blocks, groups, blocks / groups}, x, M, N, K, y);
     } else {
       const qgemm::Q8<S> w{static_cast<const int8_t*>(codes), sp, K, blocks};
       qgemm::int8_path(w, x, M, N, K, y);
@@ -67,7 +70,7 @@ struct TeamLinear {
   }
 };
 
-// Whether linear i is an int4/int8 tile weight without bias of shape [N, K] (the kernels read
+// Whether linear i is an int4/int8/8-bit-code tile weight without bias of shape [N, K] (the kernels read
 // the raw buffers unchecked, so the shapes are checked here).
 // Each layer's four linears (qkv, o, gate_up, down) and the widest qkv and gate_up outputs, for
 // rows of `hidden`: what team_plan works out once.
@@ -83,14 +86,14 @@ namespace {
 bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linears, int64_t i,
                  int64_t N, int64_t K) {
   const std::optional<at::Tensor> w = linears.get(3 * i), s = linears.get(3 * i + 1);
-  if ((kind != 4 && kind != 5) || !w.has_value() || !s.has_value() ||
+  if ((kind != 4 && kind != 5 && kind != 6) || !w.has_value() || !s.has_value() ||
       linears.get(3 * i + 2).has_value() || !w->is_contiguous() || !s->is_contiguous() ||
-      w->dim() != 2 || w->scalar_type() != (kind == 4 ? at::kByte : at::kChar)) {
+      w->dim() != 2 || w->scalar_type() != (kind == 5 ? at::kChar : at::kByte)) {
     return false;
   }
   const at::ScalarType st = s->scalar_type();
   if (st != at::kFloat && st != at::kHalf && st != at::kBFloat16) return false;
-  const int64_t block_bytes = kind == 4 ? 256 : 512, blocks = w->size(1) / block_bytes;
+  const int64_t block_bytes = TeamLinear::block_bytes(kind), blocks = w->size(1) / block_bytes;
   if (w->size(0) * qgemm::kRows != N || w->size(1) % block_bytes != 0 ||
       blocks * qgemm::kBlock != K) {
     return false;

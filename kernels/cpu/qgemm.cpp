@@ -10,6 +10,9 @@
 //       tile t is 256 bytes: 4 runs of 64, run j holding operand j in its low nibbles and
 //       operand j + 4 in its high ones; byte 4l + i of a run is row l's input 4c + i of the
 //       block (c the operand). scale_mins: per tile and group, 16 scales then 16 mins.
+//   u8_linear(x [M, K], qweight [N/16, K/32 * 512] uint8, scale_mins [N/16, groups, 2, 16])
+//       as q4_linear with 8-bit codes q in 0..255 (GGUF's Q8_0 and Q5 blocks): block b of
+//       tile t is its 8 operands of 64 bytes, byte 4l + i of operand c row l's input 4c + i.
 //   q8_linear(x [M, K], qweight [N/16, K/32 * 512] int8, scales [N])
 //       w[n, k] = scales[n] * q[n, k]; block b of tile t is its 8 operands, 64 bytes each.
 //
@@ -109,35 +112,52 @@ bool int8_dot_available() {
 #endif
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight,
-                     const at::Tensor& scale_mins, int64_t path) {
+namespace {
+
+// q4_linear and u8_linear: asymmetric codes of `Bits` in tiles, a scale and min per group.
+template <int Bits>
+at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& qweight,
+                         const at::Tensor& scale_mins, int64_t path, const char* op) {
+  constexpr int64_t bytes = QBlocks<float, Bits>::kBlockBytes;
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte &&
-                  qweight.is_contiguous() && qweight.size(1) % 256 == 0,
-              "q4_linear: qweight must be contiguous uint8 [N/16, K/32 * 256]");
+                  qweight.is_contiguous() && qweight.size(1) % bytes == 0,
+              op, ": qweight must be contiguous uint8 [N/16, K/32 * ", bytes, "]");
   TORCH_CHECK(scale_mins.dim() == 4 && scale_mins.size(0) == qweight.size(0) &&
                   scale_mins.size(2) == 2 && scale_mins.size(3) == kRows &&
                   scale_mins.is_contiguous(),
-              "q4_linear: scale_mins must be contiguous [N/16, groups, 2, 16]");
-  const int64_t N = qweight.size(0) * kRows, blocks = qweight.size(1) / 256;
+              op, ": scale_mins must be contiguous [N/16, groups, 2, 16]");
+  const int64_t N = qweight.size(0) * kRows, blocks = qweight.size(1) / bytes;
   const int64_t K = blocks * kBlock, groups = scale_mins.size(1);
-  check_x(x, K, "q4_linear");
-  TORCH_CHECK(groups > 0 && blocks % groups == 0, "q4_linear: ", groups,
+  check_x(x, K, op);
+  TORCH_CHECK(groups > 0 && blocks % groups == 0, op, ": ", groups,
               " groups do not split ", blocks, " blocks of 32");
   const uint8_t* codes = qweight.data_ptr<uint8_t>();
   const int64_t per_group = blocks / groups;
   switch (scale_mins.scalar_type()) {
     case at::kBFloat16:
-      return run(Q4<c10::BFloat16>{codes, scale_mins.data_ptr<c10::BFloat16>(), K, blocks,
-                                   groups, per_group}, x, N, path);
+      return run(QBlocks<c10::BFloat16, Bits>{codes, scale_mins.data_ptr<c10::BFloat16>(), K,
+                                              blocks, groups, per_group}, x, N, path);
     case at::kHalf:
-      return run(Q4<c10::Half>{codes, scale_mins.data_ptr<c10::Half>(), K, blocks, groups,
-                               per_group}, x, N, path);
+      return run(QBlocks<c10::Half, Bits>{codes, scale_mins.data_ptr<c10::Half>(), K, blocks,
+                                          groups, per_group}, x, N, path);
     case at::kFloat:
-      return run(Q4<float>{codes, scale_mins.data_ptr<float>(), K, blocks, groups, per_group},
-                 x, N, path);
+      return run(QBlocks<float, Bits>{codes, scale_mins.data_ptr<float>(), K, blocks, groups,
+                                      per_group}, x, N, path);
     default:
-      TORCH_CHECK(false, "q4_linear: scales must be float, bfloat16 or half");
+      TORCH_CHECK(false, op, ": scales must be float, bfloat16 or half");
   }
+}
+
+}  // namespace
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scale_mins, int64_t path) {
+  return blocks_linear<4>(x, qweight, scale_mins, path, "q4_linear");
+}
+
+at::Tensor u8_linear(const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scale_mins, int64_t path) {
+  return blocks_linear<8>(x, qweight, scale_mins, path, "u8_linear");
 }
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

@@ -24,33 +24,52 @@ constexpr int kQ4RowsPerPass = 6;   // int4 weights: rows of x per pass over two
 constexpr int kChunkRows = 24;      // row chunks are whole passes of either
 enum Path : int64_t { kAuto = 0, kFloat = 1, kInt8Dot = 2 };
 
-template <typename S>
-struct Q4 {
+// Asymmetric codes per block of 32 inputs, w = s * q + m with a scale s and min m per group of
+// `per_group` blocks: 4-bit codes (q in 0..15, 256 bytes a tile block) or 8-bit ones (q in
+// 0..255, 512 bytes: a GGUF Q8_0 or Q5 block, its signed codes shifted into 0..255 and the
+// shift folded into the min).
+template <typename S, int Bits>
+struct QBlocks {
+  static_assert(Bits == 4 || Bits == 8, "4- or 8-bit codes");
+  static constexpr int64_t kBlockBytes = kRows * kBlock * Bits / 8;
   const uint8_t* codes;
   const S* sm;
   int64_t K, blocks, groups, per_group;  // per_group: blocks per group
 
-  const uint8_t* block(int64_t t, int64_t b) const { return codes + (t * blocks + b) * 256; }
+  const uint8_t* block(int64_t t, int64_t b) const {
+    return codes + (t * blocks + b) * kBlockBytes;
+  }
   const S* scales(int64_t t, int64_t g) const { return sm + (t * groups + g) * 2 * kRows; }
 
+  // Code of row l at input 4 c + i of block p (c the operand): 4-bit run j holds operand j in
+  // its low nibbles and j + 4 in its high ones; 8-bit blocks hold the 8 operands in order.
+  static int code(const uint8_t* p, int l, int c, int i) {
+    if constexpr (Bits == 4) {
+      const uint8_t byte = p[64 * (c % 4) + 4 * l + i];
+      return c < 4 ? (byte & 0xF) : (byte >> 4);
+    } else {
+      return p[64 * c + 4 * l + i];
+    }
+  }
   void dequant_tile(int64_t t, float* out) const {  // out [16, K]
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* p = block(t, b);
       const S* s = scales(t, b / per_group);
-      for (int j = 0; j < 4; ++j) {
-        for (int l = 0; l < kRows; ++l) {
-          const float sl = to_f(s[l]), ml = to_f(s[kRows + l]);
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t byte = p[64 * j + 4 * l + i];
-            out[l * K + b * kBlock + 4 * j + i] = sl * (byte & 0xF) + ml;
-            out[l * K + b * kBlock + 4 * (j + 4) + i] = sl * (byte >> 4) + ml;
-          }
-        }
+      for (int l = 0; l < kRows; ++l) {
+        const float sl = to_f(s[l]), ml = to_f(s[kRows + l]);
+        for (int c = 0; c < 8; ++c)
+          for (int i = 0; i < 4; ++i)
+            out[l * K + b * kBlock + 4 * c + i] = sl * code(p, l, c, i) + ml;
       }
     }
   }
   float post_scale(int64_t) const { return 1.0f; }
 };
+
+template <typename S>
+using Q4 = QBlocks<S, 4>;
+template <typename S>
+using U8 = QBlocks<S, 8>;
 
 template <typename S>
 struct Q8 {

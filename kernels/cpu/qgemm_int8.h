@@ -220,6 +220,35 @@ void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
   store16(y + r * N + t * kRows, _mm512_mul_ps(acc, _mm512_set1_ps(1.0f / 16.0f)));
 }
 
+// One row of x against 8-bit block tile t (batch-1 decode): the 8 operands go straight into
+// two chains of dot products; the group's scale and min as in the int4 tiles.
+template <typename S, typename T>
+void tile_one_row(const U8<S>& w, const QuantRows& a, int64_t t, int64_t r, int64_t N, T* y) {
+  const int64_t scales_ahead =
+      kAheadBlocks / w.per_group * 2 * kRows * static_cast<int64_t>(sizeof(S));
+  __m512 acc = _mm512_setzero_ps();
+  const int32_t* x = a.quads(r);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const S* s = w.scales(t, g);
+    prefetch_lines(reinterpret_cast<const char*>(s) + scales_ahead, 64);
+    const __m512 sv = load16(s);
+    acc = _mm512_fmadd_ps(load16(s + kRows), _mm512_set1_ps(a.sums[r * a.groups + g]), acc);
+    for (int64_t b = g * w.per_group; b < (g + 1) * w.per_group; ++b) {
+      const uint8_t* p = w.block(t, b);
+      prefetch_lines(p + kAheadBlocks * U8<S>::kBlockBytes, U8<S>::kBlockBytes);
+      const int32_t* xq = x + b * kBlock / 4;
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        lo = _mm512_dpbusd_epi32(lo, _mm512_loadu_si512(p + 64 * j), broadcast(xq + j));
+        hi = _mm512_dpbusd_epi32(hi, _mm512_loadu_si512(p + 64 * (j + 4)), broadcast(xq + j + 4));
+      }
+      const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(a.da[r * a.blocks + b]));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), scale, acc);
+    }
+  }
+  store16(y + r * N + t * kRows, acc);
+}
+
 // Rows r0..r0+R of x against the T consecutive int4 tiles t..t+T-1 (T = 1 or 2). Each
 // broadcast of x feeds T tiles, and each run of weights is unpacked just before its dot
 // products. All the 512-bit operations here (dot products, unpacking, the float work) issue on
@@ -229,9 +258,9 @@ void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
 // accumulators, the operands): 20-24% faster than one tile of 8 rows at 64 rows of SmolLM2's
 // shapes (Xeon with AVX512-VNNI, one thread, weights in cache; 2026-12-01). The output is the
 // one-tile kernel's bit for bit: the same integer sums, the same float operations in order.
-template <int T, int R, typename S, typename Y>
-void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, Y* y,
-              bool ahead) {
+template <int T, int R, typename S, int Bits, typename Y>
+void q4_tiles(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N,
+              Y* y, bool ahead) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int32_t* x = a.quads(r0);  // the pass's codes: R per 4 inputs
   __m512 acc[T][R];
@@ -244,7 +273,7 @@ void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t
     for (int i = 0; i < T; ++i)
       for (int r = 0; r < R; ++r) part[i][r] = _mm512_setzero_si512();
     for (int i = 0; i < T && ahead; ++i) {  // the next pair's block and scales (kAheadBlocks)
-      prefetch_lines(w.block(t + T + i, b), 256);
+      prefetch_lines(w.block(t + T + i, b), QBlocks<S, Bits>::kBlockBytes);
       if (b % w.per_group == 0) {
         prefetch_lines(w.scales(t + T + i, g), 2 * kRows * static_cast<int64_t>(sizeof(S)));
       }
@@ -252,9 +281,15 @@ void q4_tiles(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t
     for (int j = 0; j < 4; ++j) {  // run j: operand j in the low nibbles, j + 4 in the high
       __m512i lo[T], hi[T];
       for (int i = 0; i < T; ++i) {
-        const __m512i v = _mm512_loadu_si512(w.block(t + i, b) + 64 * j);
-        lo[i] = _mm512_and_si512(v, low4);
-        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        const uint8_t* p = w.block(t + i, b);
+        if constexpr (Bits == 4) {
+          const __m512i v = _mm512_loadu_si512(p + 64 * j);
+          lo[i] = _mm512_and_si512(v, low4);
+          hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        } else {
+          lo[i] = _mm512_loadu_si512(p + 64 * j);
+          hi[i] = _mm512_loadu_si512(p + 64 * (j + 4));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const __m512i xr = broadcast(xq + j * R + r);
@@ -333,9 +368,9 @@ int64_t passes(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t, int64_t r
   return 1;
 }
 
-template <int T, typename S, typename Y>
-void q4_passes(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t r1, int64_t N,
-               Y* y) {
+template <int T, typename S, int Bits, typename Y>
+void q4_passes(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t r1,
+               int64_t N, Y* y) {
   int64_t r = r0;
   for (; r + kQ4RowsPerPass <= r1; r += kQ4RowsPerPass) {
     q4_tiles<T, kQ4RowsPerPass>(w, a, t, r, N, y, r + kQ4RowsPerPass == r1);
@@ -350,12 +385,12 @@ void q4_passes(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_
   }
 }
 
-// Rows r0..r1 of x against int4 tile t, and tile t + 1 too where it is below t_end (this
-// thread's tiles end there); returns the tiles done. One row of x (batch-1 decode) takes
-// tile_one_row, tile by tile.
-template <typename S, typename T>
-int64_t passes(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t t_end, int64_t r0,
-               int64_t r1, int64_t N, T* y) {
+// Rows r0..r1 of x against int4 (or 8-bit block) tile t, and tile t + 1 too where it is below
+// t_end (this thread's tiles end there); returns the tiles done. One row of x (batch-1
+// decode) takes tile_one_row, tile by tile.
+template <typename S, int Bits, typename T>
+int64_t passes(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t t_end,
+               int64_t r0, int64_t r1, int64_t N, T* y) {
   if (r1 - r0 == 1) {
     tile_one_row(w, a, t, r0, N, y);
     return 1;
@@ -368,12 +403,12 @@ int64_t passes(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t t_end, int
   return 1;
 }
 
-template <typename S>
-int64_t blocks_per_group(const Q4<S>& w) { return w.per_group; }
+template <typename S, int Bits>
+int64_t blocks_per_group(const QBlocks<S, Bits>& w) { return w.per_group; }
 template <typename S>
 int64_t blocks_per_group(const Q8<S>& w) { return w.blocks; }
-template <typename S>
-int64_t rows_per_pass(const Q4<S>&) { return kQ4RowsPerPass; }
+template <typename S, int Bits>
+int64_t rows_per_pass(const QBlocks<S, Bits>&) { return kQ4RowsPerPass; }
 template <typename S>
 int64_t rows_per_pass(const Q8<S>&) { return kMaxRowsPerPass; }
 

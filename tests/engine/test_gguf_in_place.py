@@ -72,5 +72,5 @@ def test_default_keeps_the_file_in_place_and_none_dequantizes(in_place: LLM) -> 
 
 
 def test_gguf_needs_a_gguf_file(tiny_llama_dir: Path) -> None:
-    with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file's 4-bit"):
+    with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file's quantized"):
         LLM(str(tiny_llama_dir), quantization="gguf")

@@ -205,3 +205,70 @@ def test_zero_rows_and_bad_shapes(ops: object) -> None:
         ops.q4_linear(torch.zeros(2, 64), qweight, scale_mins[:, :1].squeeze(1))  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="unknown path"):
         ops.q4_linear(torch.zeros(2, 64), qweight, scale_mins, 7)  # type: ignore[attr-defined]
+
+
+# ---- 8-bit codes with a scale and min per group (a GGUF file's Q8_0 and Q5 blocks) ----------
+
+
+def _u8(n: int, k: int, group: int, seed: int = 0
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes over all of 0..255 with Q8_0's min (-128 x scale) give or take a little."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
+    scales = torch.rand(n, k // group, generator=gen) * 0.002 + 0.0001
+    mins = -128 * scales + torch.randn(n, k // group, generator=gen) * 0.01
+    return codes, scales, mins
+
+
+def test_u8_tiles_pack_and_unpack() -> None:
+    codes, scales, mins = _u8(48, 96, 32)
+    qweight, scale_mins = tiles.pack_u8(codes, scales, mins, torch.float32)
+    assert qweight.shape == (3, 3 * 512) and qweight.dtype == torch.uint8
+    assert scale_mins.shape == (3, 3, 2, 16)
+    back, s, m = tiles.unpack_u8(qweight, scale_mins)
+    assert torch.equal(back, codes) and torch.equal(s, scales) and torch.equal(m, mins)
+    with pytest.raises(ValueError, match="out % 16"):
+        tiles.pack_u8(codes[:40], scales[:40], mins[:40], torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 64, 1003])
+@pytest.mark.parametrize("n, k, group", [(48, 96, 32), (64, 512, 64), (96, 576, 32)])
+def test_u8_linear_paths(ops: object, rows: int, n: int, k: int, group: int) -> None:
+    codes, scales, mins = _u8(n, k, group, seed=rows)
+    qweight, scale_mins = tiles.pack_u8(codes, scales, mins, torch.float32)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
+    w = codes.double().reshape(n, -1, group) * scales.double()[..., None] + mins.double()[..., None]
+    dense = x.double() @ w.reshape(n, k).t()
+    for path in _paths(ops):
+        got = ops.u8_linear(x, qweight, scale_mins, path).double()  # type: ignore[attr-defined]
+        if path == FLOAT:
+            torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got, _int4_reference(x, codes, scales, mins),
+                                       rtol=1e-5, atol=1e-4)
+            assert (got - dense).abs().max() <= 1.5e-2 * dense.abs().max()
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_u8_one_row_equals_its_row_in_a_batch_at_any_thread_count(ops: object,
+                                                                  scale_dtype: torch.dtype
+                                                                  ) -> None:
+    """One row (its own tile routine) gives, bit for bit, its row in a batch (tiles in pairs),
+    however many threads split the tiles."""
+    if not ops.int8_dot_available():  # type: ignore[attr-defined]
+        pytest.skip("the int8-dot path needs AVX512-VNNI")
+    codes, scales, mins = _u8(80, 576, 32, seed=3)
+    qweight, scale_mins = tiles.pack_u8(codes, scales, mins, scale_dtype)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(11)) * 3
+    threads = torch.get_num_threads()
+    try:
+        batches = []
+        for num in (1, 2, 3):
+            torch.set_num_threads(num)
+            batches.append(ops.u8_linear(x, qweight, scale_mins, INT8_DOT))  # type: ignore[attr-defined]
+            for i in range(5):
+                one = ops.u8_linear(x[i:i + 1], qweight, scale_mins, INT8_DOT)  # type: ignore[attr-defined]
+                assert torch.equal(one[0], batches[0][i]), (num, i)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(b, batches[0]) for b in batches)

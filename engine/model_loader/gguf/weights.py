@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.model_loader.gguf.codes import q4_layer_codes
+from engine.model_loader.gguf.codes import layer_codes
 from engine.model_loader.gguf.format import (
     GGUFArray,
     GGUFFile,
@@ -100,8 +100,9 @@ def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32,
     """Yields (HF parameter name, tensor [out_features, in_features]) dequantized to `dtype`.
 
     `lm_head.weight` appears only when the file has an untied `output.weight`. With `codes`,
-    each Q4_0/Q4_1 matrix's 4-bit codes also go there under its HF module name (rows in HF
-    order, as the weights), for `--quantization gguf`.
+    each quantized decoder matrix's codes (codes.py: Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K, Q6_K)
+    also go there under its HF module name (rows in HF order, as the weights), for
+    `--quantization gguf`.
     """
     gguf = read_gguf_header(path)
     config = _config_from_header(gguf)
@@ -113,14 +114,15 @@ def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32,
             name = hf_tensor_name(tensor.name)
             raw = read_raw(f, tensor)
             weight = dequantize_raw(raw, tensor.tensor_type, tensor.shape)
-            layer = q4_layer_codes(raw, tensor.tensor_type, tensor.shape) \
+            layer = layer_codes(raw, tensor.tensor_type, tensor.shape) \
                 if codes is not None and name != "lm_head.weight" else None
             if gguf_arch == "llama":
                 weight = _undo_rope_permutation(name, weight, config)
                 if layer is not None:
                     layer = LayerCodes(_undo_rope_permutation(name, layer.codes, config),
                                        _undo_rope_permutation(name, layer.scales, config),
-                                       _undo_rope_permutation(name, layer.offsets, config))
+                                       _undo_rope_permutation(name, layer.offsets, config),
+                                       bits=layer.bits)
             if layer is not None and codes is not None:
                 codes[name.removesuffix(".weight")] = layer
             yield name, weight.to(dtype)
