@@ -8,11 +8,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
-#include <memory>
-#include <vector>
 
 #include "qgemm.h"
+#include "quant_rows.h"
 #include "team.h"
 
 #ifdef KVSERVE_INT8_DOT
@@ -20,123 +18,6 @@ namespace kvserve {
 namespace qgemm {
 
 // ---- path 2: int8 dot products ----------------------------------------------------------------
-
-inline __m512 load16(const c10::BFloat16* s) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-inline __m512 load16(const c10::Half* s) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-}
-inline __m512 load16(const float* s) { return _mm512_loadu_ps(s); }
-
-// 16 floats stored as T, rounded to nearest even as torch rounds.
-inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-inline void store16(c10::BFloat16* out, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-inline void store16(c10::Half* out, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-// x [M, K] quantized per block of 32, its codes laid out for the passes: rows in groups of
-// `P` (a pass's rows; the last group holds the rest), each group's codes as [K / 4][rows] runs
-// of 4, so that a pass reads the 4 codes of each of its rows at input k side by side, at
-// offsets known when it is compiled (with each row's codes in its own row, the 8 rows' 8
-// addresses per block took more registers than x86 has: the 8-row int8 tile spilled them,
-// ~13% of its samples). The passes of int8_path start at multiples of P (kChunkRows).
-struct QuantRows {
-  int64_t M, K, P, blocks, groups;
-  // In one buffer; q and da are written whole before any read: left uninitialised (zeroing
-  // took 9 MB per linear of a 6,000-token prefill, ~2% of a serving run).
-  int8_t* q;     // [M, K] in groups of P rows, see above
-  float* da;     // [M, blocks] block scales
-  float* sums;   // [M, groups] sums of the quantized x per weight group
-  float* total;  // [M] sum over blocks of scale x sum of codes
-
-  template <typename T>
-  QuantRows(const T* x, int64_t M_, int64_t K_, int64_t per_group, int64_t P_)
-      : M(M_), K(K_), P(P_), blocks(K_ / kBlock), groups(K_ / kBlock / per_group) {
-    const size_t floats = static_cast<size_t>(M * (blocks + groups + 1));
-    char* buf = claim(static_cast<size_t>(M * K) + 4 * floats);
-    q = reinterpret_cast<int8_t*>(buf);  // M K is a multiple of 32: the floats stay aligned
-    da = reinterpret_cast<float*>(buf + M * K);
-    sums = da + M * blocks;
-    total = sums + M * groups;
-    std::fill(sums, total + M, 0.0f);
-    // Rows are independent: split them over the threads once there is enough work (a 64-row
-    // step quantized serially left a core idle for ~3 ms of SmolLM2's ~48).
-    const int64_t grain = std::max<int64_t>(1, 16384 / K);
-    at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) quantize_row(x + r * K, r);
-    });
-  }
-  ~QuantRows() {
-    if (owned_ == nullptr) kept_busy() = false;
-  }
-  QuantRows(const QuantRows&) = delete;
-  QuantRows& operator=(const QuantRows&) = delete;
-
-  // The codes of the pass whose first row is r0 (a group's first) in runs of 4: row i's
-  // codes at inputs 4 c..4 c + 3 are element c x R + i, R the group's rows.
-  const int32_t* quads(int64_t r0) const {
-    return reinterpret_cast<const int32_t*>(q + r0 * K);
-  }
-  template <typename T>
-  void quantize_row(const T* xr, int64_t r) {
-    const int64_t first = r / P * P, rows = std::min(P, M - first);
-    int8_t* group = q + first * K + (r - first) * 4;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const T* xb = xr + b * kBlock;
-      const __m512 lo = load16(xb), hi = load16(xb + 16);
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // nearest even
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      alignas(16) int8_t codes[kBlock];
-      _mm_store_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(qlo));
-      _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtsepi32_epi8(qhi));
-      for (int64_t c = 0; c < kBlock / 4; ++c) {
-        std::memcpy(group + (b * kBlock / 4 + c) * rows * 4, codes + 4 * c, 4);
-      }
-      // The sums are of the quantized x, so that int4's mins and codes meet the same x: the
-      // result is then exactly w . x' (x' the quantized x). Exact float sums instead leave
-      // sum(q x') - sum(q x), with q up to 15, uncancelled (+3% perplexity on SmolLM2).
-      const float block_sum = amax / 127.0f * static_cast<float>(_mm512_reduce_add_epi32(
-                                                   _mm512_add_epi32(qlo, qhi)));
-      da[r * blocks + b] = amax / 127.0f;
-      sums[r * groups + b / (blocks / groups)] += block_sum;
-      total[r] += block_sum;
-    }
-  }
-
- private:
-  // Decode steps quantize a few rows per linear, 121 times a SmolLM2 token: the calling thread
-  // keeps one buffer of up to kKeptBytes for them (malloc, free and malloc_consolidate were ~3%
-  // of a batch-1 step's worker samples; with the attention's kept scores the 30 layers went
-  // from 2.35-2.40 to 2.29-2.33 ms). Larger x, or a second live QuantRows, get their own.
-  static constexpr size_t kKeptBytes = size_t{1} << 20;
-  static bool& kept_busy() {
-    thread_local bool busy = false;
-    return busy;
-  }
-  char* claim(size_t bytes) {
-    if (bytes > kKeptBytes || kept_busy()) {
-      owned_.reset(new char[bytes]);
-      return owned_.get();
-    }
-    thread_local std::unique_ptr<char[]> kept(new char[kKeptBytes]);
-    kept_busy() = true;
-    return kept.get();
-  }
-  std::unique_ptr<char[]> owned_;
-};
 
 inline __m512i broadcast(const int32_t* p) { return _mm512_set1_epi32(*p); }
 
