@@ -64,6 +64,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # config.json's quantization_config (an AWQ or GPTQ checkpoint): (quant_method, group_size)
     checkpoint_quantization: tuple[str, int] | None = None
+    # A GGUF file's code width per fused linear (qkv, o, gate_up, down), bits a weight averaged
+    # over the layers, as --quantization gguf keeps its blocks (gguf/codes.py); None elsewhere.
+    gguf_code_bits: tuple[float, float, float, float] | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -281,15 +281,30 @@ def _linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes:
         min(scale_bytes, 2)
 
 
+def gguf_linear_bytes(out_features: int, in_features: int, bits: float) -> int:
+    """Bytes a GGUF matrix [out, in] takes in place at `bits` a code (4 or 8, or a mean over
+    layers): its codes and a float16 scale and min per block of 32 inputs."""
+    numel = out_features * in_features
+    return round(numel * bits / 8) + numel // 32 * 4
+
+
+def linear_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """(out, in) of a decoder layer's fused linears: qkv, o, gate_up, down."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h = cfg.hidden_size
+    return (q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)
+
+
 def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
                            group_size: int | None = None,
                            compute_dtype: torch.dtype | None = None) -> int:
     """The weight bytes a model of `cfg` takes after loading with `--quantization method`, from
     the config alone; equal to `resident_weight_bytes` of the loaded model. `compute_dtype` is
     the apply plan's (scales and biases are kept in it; default: `dtype`). An AWQ or GPTQ
-    checkpoint counts as int4 at its own group size with its LM head in float; `gguf` as int4
-    in groups of 32 with an int8 head (every decoder matrix in Q4_0/Q4_1 blocks). `auto`
-    counts as `none` for anything but a quantized checkpoint (what a GPU plan loads)."""
+    checkpoint counts as int4 at its own group size with its LM head in float; `gguf` by the
+    file's code widths (`cfg.gguf_code_bits`: 4 or 8 bits a weight and a float16 scale and min
+    per block of 32; int4 in groups of 32 where a matrix loads as floats) with an int8 head.
+    `auto` counts as `none` for anything but a quantized checkpoint (what a GPU plan loads)."""
     method = effective_quantization(method, cfg, "gguf" if method == "gguf" else "hf")
     if method == "none":
         return cfg.num_params() * dtype.itemsize
@@ -297,15 +312,19 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
     if method in ("awq", "gptq"):
         assert cfg.checkpoint_quantization is not None
         method, group_size = "int4", cfg.checkpoint_quantization[1]
-    elif method == "gguf":
-        method, group_size = "int4", 32  # Q4_0/Q4_1 blocks
+    gguf = method == "gguf"
+    if gguf:
+        method, group_size = "int4", 32
     b = dtype.itemsize
     sb = (compute_dtype or dtype).itemsize
-    h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, vocab = cfg.hidden_size, cfg.vocab_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
-    shapes = ((q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter))
-    layer = sum(_linear_bytes(method, n, k, b, sb, group_size) for n, k in shapes)
+    if gguf and cfg.gguf_code_bits is not None:
+        layer = sum(gguf_linear_bytes(n, k, bits)
+                    for (n, k), bits in zip(linear_shapes(cfg), cfg.gguf_code_bits))
+    else:
+        layer = sum(_linear_bytes(method, n, k, b, sb, group_size) for n, k in linear_shapes(cfg))
     layer += 2 * h * b + ((q + 2 * kv) * sb if cfg.attention_bias else 0)
     head = _linear_bytes(head_method, vocab, h, b, sb, group_size)
     shared = cfg.tie_word_embeddings and head_method in ("none", "int8")
@@ -324,6 +343,8 @@ __all__ = [
     "QuantizedLinear",
     "U8BlockMethod",
     "apply_plan",
+    "gguf_linear_bytes",
+    "linear_shapes",
     "cast_float_parameters",
     "make_method",
     "probe_fused",

@@ -38,6 +38,7 @@ from torch import nn
 from engine.config import ModelConfig, effective_quantization
 from engine.models.cpu_linear import PackedLinear
 from engine.models.llama import LlamaForCausalLM
+from engine.quantization import gguf_linear_bytes
 from engine.quantization.methods import ApplyPlan, Int4Method
 
 logger = logging.getLogger("kvserve")
@@ -262,16 +263,22 @@ def planned_layer_tensor_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype
     if method in ("awq", "gptq"):
         assert cfg.checkpoint_quantization is not None
         method, group_size = "int4", cfg.checkpoint_quantization[1]
-    elif method == "gguf":
-        method, group_size = "int4", 32  # Q4_0/Q4_1 blocks
+    code_bits = cfg.gguf_code_bits if method == "gguf" else None
+    if method == "gguf":
+        method, group_size = "int4", 32  # the file's blocks of 32
     b, sb = dtype.itemsize, (compute_dtype or dtype).itemsize
     bias_bytes = b if method == "none" else sb
+    widths = iter(code_bits or ())
 
     def linear(n: int, k: int, bias: bool = False) -> list[int]:
+        bits = next(widths, None)
         if method == "none":
             parts = [n * k * b]
         elif method == "int8":
             parts = [n * sb, n * k]
+        elif bits is not None:  # a GGUF file's codes, 4 or 8 bits (mean over the layers)
+            codes = round(n * k * bits / 8)
+            parts = [codes, gguf_linear_bytes(n, k, bits) - codes]
         else:
             group = k if group_size == -1 else Int4Method(
                 ApplyPlan("dequant", torch.float32), group_size).layer_group_size(k)

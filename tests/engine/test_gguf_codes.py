@@ -13,7 +13,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from engine.model_loader.gguf.codes import CODE_TYPES, REQUANTIZED_TYPES, layer_codes
+from engine.model_loader.gguf.codes import (
+    CODE_TYPES,
+    REQUANTIZED_TYPES,
+    layer_codes,
+    linear_code_bits,
+)
 from tests.support.gguf_quants import reencode_gguf
 
 T = GGMLQuantizationType
@@ -51,6 +56,18 @@ def test_codes_stand_for_the_files_values(kind: GGMLQuantizationType) -> None:
         assert torch.equal(got, want)
 
 
+def test_code_widths_of_the_fused_linears_from_the_header() -> None:
+    """8 bits where any matrix of a fused linear has 8-bit codes, a mean over the layers, and
+    None where a decoder matrix loads as floats."""
+    names = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_0,
+             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0}
+    tensors = [(f"blk.{layer}.{part}.weight", kind) for layer in range(2)
+               for part, kind in names.items()] + [("token_embd.weight", T.F16)]
+    tensors[-2] = ("blk.1.ffn_down.weight", T.Q4_K)
+    assert linear_code_bits(tensors, 2) == (8.0, 4.0, 4.0, 6.0)
+    assert linear_code_bits(tensors + [("blk.0.ffn_up.weight", T.F16)], 2) is None
+
+
 def test_other_types_and_shapes_load_as_floats() -> None:
     raw = torch.zeros(16 * 64 * 4, dtype=torch.uint8)
     assert layer_codes(raw, T.F32, (16, 64)) is None
@@ -85,8 +102,14 @@ def test_a_file_of_mixed_types_runs_in_place(mixed_file: Path,
     from gguf import GGUFReader
 
     from engine import LLM, SamplingParams
+    from engine.model_loader.gguf.weights import read_gguf_config
     from engine.models.cpu_layer import FusedStack
-    from engine.quantization import Int4Method, QuantizedLinear, U8BlockMethod
+    from engine.quantization import (
+        Int4Method,
+        QuantizedLinear,
+        U8BlockMethod,
+        quantized_weight_bytes,
+    )
     from tests.support.greedy import logprob_agreement, tokens_and_logprobs
 
     taken: list[bool] = []
@@ -109,7 +132,12 @@ def test_a_file_of_mixed_types_runs_in_place(mixed_file: Path,
             "layers.2.mlp.down_proj")}
         assert methods["layers.0.mlp.down_proj"] is Int4Method  # Q4_K: 4-bit codes
         assert all(m is U8BlockMethod for n, m in methods.items() if n != "layers.0.mlp.down_proj")
-        assert in_place.engine.runner.weight_bytes() < 150 * 2**20
+        # kvserve plan's arithmetic from the header alone: the bytes the loaded layers hold
+        cfg = read_gguf_config(mixed_file)
+        assert cfg.gguf_code_bits is not None and cfg.gguf_code_bits[:3] == (8, 8, 8)
+        assert cfg.gguf_code_bits[3] == pytest.approx(20 / 3)  # Q4_K, Q5_K, Q6_K in turn
+        assert quantized_weight_bytes(cfg, "gguf", torch.float32) == \
+            in_place.engine.runner.weight_bytes() < 150 * 2**20
         reader = GGUFReader(str(mixed_file))
         for layer in range(3):
             tensor = next(t for t in reader.tensors if t.name == f"blk.{layer}.ffn_down.weight")

@@ -22,7 +22,8 @@ Q2_K, Q3_K, ...) are not read here: those matrices load as floats.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -165,8 +166,27 @@ def layer_codes(raw: torch.Tensor, kind: GGMLQuantizationType,
                       bits=bits)
 
 
-def code_bytes(kind: GGMLQuantizationType, numel: int) -> int:
-    """Bytes a matrix of `numel` weights of `kind` takes in kvserve's layouts: its codes (4 or
-    8 bits a weight) and a float16 scale and min per group of 32."""
-    bits = _DECODERS[kind][1]
-    return numel * bits // 8 + numel // GGUF_GROUP * 4
+# A decoder matrix's GGUF name part -> its fused linear: qkv, o, gate_up, down.
+_FUSED = {"attn_q": 0, "attn_k": 0, "attn_v": 0, "attn_output": 1, "ffn_gate": 2, "ffn_up": 2,
+          "ffn_down": 3}
+_MATRIX = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def linear_code_bits(tensors: Iterable[tuple[str, GGMLQuantizationType]],
+                     num_layers: int) -> tuple[float, float, float, float] | None:
+    """The mean code width (bits a weight, over the layers) of each fused linear (qkv, o,
+    gate_up, down) as kvserve keeps a GGUF file's blocks in place: 8 where any of its matrices
+    has 8-bit codes, else 4. None where a decoder matrix is of a type that loads as floats."""
+    bits = [[4] * num_layers for _ in range(4)]
+    for name, kind in tensors:
+        match = _MATRIX.fullmatch(name)
+        if match is None or match.group(2) not in _FUSED:
+            continue
+        if kind not in _DECODERS:
+            return None
+        layer, fused = int(match.group(1)), _FUSED[match.group(2)]
+        if layer < num_layers:
+            bits[fused][layer] = max(bits[fused][layer], _DECODERS[kind][1])
+    mean = [sum(b) / num_layers for b in bits]
+    return mean[0], mean[1], mean[2], mean[3]
+

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.model_loader.gguf.codes import layer_codes
+from engine.model_loader.gguf.codes import layer_codes, linear_code_bits
 from engine.model_loader.gguf.format import (
     GGUFArray,
     GGUFFile,
@@ -201,6 +201,8 @@ def _config_from_header(gguf: GGUFFile) -> ModelConfig:
         rope_scaling=_rope_scaling(gguf, arch, head_dim, rope_theta),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=_eos_token_ids(gguf),
+        gguf_code_bits=linear_code_bits(((t.name, t.tensor_type) for t in gguf.tensors),
+                                        int(_field(gguf, f"{arch}.block_count"))),
     )
 
 
