@@ -322,7 +322,7 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
     kv = cfg.num_key_value_heads * cfg.head_dim
     if gguf and cfg.gguf_code_bits is not None:
         layer = sum(gguf_linear_bytes(n, k, bits)
-                    for (n, k), bits in zip(linear_shapes(cfg), cfg.gguf_code_bits))
+                    for (n, k), bits in zip(linear_shapes(cfg), cfg.gguf_code_bits, strict=True))
     else:
         layer = sum(_linear_bytes(method, n, k, b, sb, group_size) for n, k in linear_shapes(cfg))
     layer += 2 * h * b + ((q + 2 * kv) * sb if cfg.attention_bias else 0)
