@@ -169,6 +169,8 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
             if name not in parts:
                 continue  # a layer the checkpoint keeps in float
             codes = checkpoint.layer_codes(parts[name])
+            if codes is not None and codes.codes.shape != module.weight.shape:
+                continue  # some of its rows are floats in the file (a GGUF F16 part): float
             if codes is None:
                 logger.warning("%s: GPTQ act-order groups are not contiguous; %s is "
                                "re-quantized to int4 groups of 32 from its exact float weight",
@@ -303,7 +305,8 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
     the apply plan's (scales and biases are kept in it; default: `dtype`). An AWQ or GPTQ
     checkpoint counts as int4 at its own group size with its LM head in float; `gguf` by the
     file's code widths (`cfg.gguf_code_bits`: 4 or 8 bits a weight and a float16 scale and min
-    per block of 32; int4 in groups of 32 where a matrix loads as floats) with an int8 head.
+    per block of 32) with an int8 head; a file with a decoder matrix in a float type (rare:
+    its fused linear loads as floats) is counted as int4 throughout, an estimate.
     `auto` counts as `none` for anything but a quantized checkpoint (what a GPU plan loads)."""
     method = effective_quantization(method, cfg, "gguf" if method == "gguf" else "hf")
     if method == "none":

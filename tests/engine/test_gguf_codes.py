@@ -193,3 +193,30 @@ def test_u8_method_from_floats_and_codes(mode: str) -> None:
     exact = codes.reshape(48, 3, 32).float() * scales.half().float()[..., None] + \
         mins.half().float()[..., None]
     assert torch.equal(held, exact.reshape(48, 96))
+
+
+@pytest.mark.slow
+def test_a_fused_linear_with_a_float_part_stays_float(tmp_path: Path) -> None:
+    """Layer 0's V in F16 beside Q8_0 Q and K: its fused QKV cannot hold codes for only some
+    rows, so it loads as floats; every other linear keeps its codes, and the model runs."""
+    from engine import LLM, SamplingParams
+    from engine.model_loader.gguf.weights import default_model_path
+    from engine.quantization import QuantizedLinear, U8BlockMethod
+
+    def kind_of(name: str) -> GGMLQuantizationType | None:
+        return T.F16 if name == "blk.0.attn_v.weight" else _kind_of(name)
+
+    path = reencode_gguf(default_model_path(), tmp_path / "f16_part.gguf", kind_of)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, num_threads=2)
+    try:
+        model = llm.engine.runner.model
+        assert not isinstance(model.get_submodule("layers.0.self_attn.qkv_proj"),
+                              QuantizedLinear)
+        assert isinstance(model.get_submodule("layers.0.mlp.gate_up_proj").method, U8BlockMethod)
+        assert isinstance(model.get_submodule("layers.1.self_attn.qkv_proj").method,
+                          U8BlockMethod)
+        out = llm.generate(["The capital of France is"],
+                           SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        assert "Paris" in out[0].outputs[0].text
+    finally:
+        llm.engine.shutdown()
