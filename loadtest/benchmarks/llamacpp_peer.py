@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM
-from loadtest.benchmarks import llamacpp
+from loadtest.benchmarks import llamacpp, llamacpp_files
 from loadtest.benchmarks.common import (
     SuiteContext,
     format_table,
@@ -88,10 +88,13 @@ def _mean_sd(rates: Sequence[float]) -> dict[str, float]:
 
 
 def kvserve_batch1(quantization: str, dtype: str, threads: int, w: dict[str, Any],
-                   vocab: int, excluded: set[int]) -> dict[str, Any]:
-    """pp and tg for one engine configuration (see the module docstring)."""
-    llm = LLM(quantization=quantization, dtype=dtype, num_threads=threads, max_model_len=1024,
-              max_num_seqs=4, kv_cache_memory_bytes=256 * 2**20)
+                   vocab: int, excluded: set[int], model: Path | None = None
+                   ) -> dict[str, Any]:
+    """pp and tg for one engine configuration (see the module docstring); `model`: a GGUF
+    file other than the embedded one."""
+    llm = LLM(None if model is None else str(model), quantization=quantization, dtype=dtype,
+              num_threads=threads, max_model_len=1024, max_num_seqs=4,
+              kv_cache_memory_bytes=256 * 2**20)
     n_prompt, n_gen, reps = w["n_prompt"], w["n_gen"], w["reps"]
     prompts = random_prompts([n_prompt] * (reps + 1), vocab, excluded, seed=12)
     try:
@@ -108,9 +111,10 @@ def kvserve_batch1(quantization: str, dtype: str, threads: int, w: dict[str, Any
         tg, tg_others = others_during(lambda: [n_gen / seconds(p[:1], n_gen)
                                                for p in prompts[1:]])
         resolved = str(llm.engine.runner.dtype).removeprefix("torch.")
+        weights_mib = round(llm.engine.runner.weight_bytes() / 2**20, 1)
     finally:
         llm.engine.shutdown()
-    return {"engine": "kvserve", "config": f"{quantization}/{resolved}",
+    return {"engine": "kvserve", "config": f"{quantization}/{resolved}", "weights_mib": weights_mib,
             f"pp{n_prompt}": {**_mean_sd(pp), "other_cpu_cores": pp_others},
             f"tg{n_gen}": {**_mean_sd(tg), "other_cpu_cores": tg_others}}
 
@@ -229,9 +233,11 @@ def run(ctx: SuiteContext) -> dict[str, Any]:
     for quantization, dtype in KVSERVE_RUNS:
         rows.append(kvserve_batch1(quantization, dtype, ctx.threads, w, vocab, excluded))
         gc.collect()
+    files = llamacpp_files.rows(model, ctx.threads, w, vocab, excluded, kvserve_batch1,
+                                llamacpp_batch1)
     report = streams(model, ctx.threads, w)
     result: dict[str, Any] = {"target": TARGET, "threads": ctx.threads, "cpu": cpu_model(),
-                              "model": model.name, "build": build, "batch1": rows,
+                              "model": model.name, "build": build, "batch1": rows, "files": files,
                               "workload": {k: v for k, v in w.items() if k != "serving"},
                               "streams": report, "stream_ratios": stream_ratios(report)}
     result["met"], result["summary"] = judge(result)
@@ -319,6 +325,11 @@ def render(result: dict[str, Any]) -> str:
         f"{w['reps']} runs: pp{w['n_prompt']} = a {w['n_prompt']}-token prompt, "
         f"tg{w['n_gen']} = {w['n_gen']} tokens generated one at a time.",
         batch1_table(result),
+        "The same model in other GGUF types, made from the embedded file by llama.cpp's own "
+        "`llama-quantize --allow-requantize` (batch 1 as above, kvserve at `--quantization "
+        "auto`, which keeps each file's blocks in place; informational, the target is on the "
+        f"embedded file). Tensor types: {llamacpp_files.types_line(result)}.",
+        llamacpp_files.table(result),
         f"(b) {st['args'][1]} concurrent streams: chat completions, user messages "
         f"{st['input'][0]}..{st['input'][1]} tokens plus the chat template, {st['max_tokens']} "
         "output tokens (EOS ignored), greedy, streamed (SSE), the serving benchmark's seeded "

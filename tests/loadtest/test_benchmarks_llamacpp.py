@@ -49,7 +49,11 @@ def recorded(kv_tg: float, kv_level: dict[str, Any]) -> dict[str, Any]:
                     "cpu_info": "EPYC"}, row("kvserve", "int4/bfloat16", 300.0, kv_tg),
                    row("kvserve", "none/bfloat16", 400.0, 30.0)],
         "streams": {"args": ["--concurrency", "64"], "servers": servers, "max_tokens": 64,
-                    "input": [32, 128]}}
+                    "input": [32, 128]},
+        "files": [{"kind": "Q8_0", "file": "m-Q8_0.gguf", "types": "Q8_0 x211, F32 x61",
+                   "file_mib": 138.1, "llama.cpp": row("llama.cpp", "GGUF", 700.0, 75.0),
+                   "kvserve": {**row("kvserve", "auto/float32", 1400.0, 150.0),
+                               "weights_mib": 141.2}}]}
     result["stream_ratios"] = llamacpp_peer.stream_ratios(result["streams"])
     result["met"], result["summary"] = llamacpp_peer.judge(result)
     return result
@@ -72,6 +76,9 @@ def test_verdict_needs_decode_parity_and_3x_streams_with_lower_tails() -> None:
     assert "| kvserve   | int4/bfloat16" in page and "0.50x" in page and "0.33x" in page
     assert "Verdict: missed" in page and "-DGGML_NATIVE=OFF" in page
     assert "llama-server -t 2" in page and "llama-bench -t 2" in page
+    # the other GGUF types: kvserve against llama.cpp on each requantized copy
+    assert "| Q8_0                | 138.1      | 141.2" in page
+    assert "| 150.0 ± 0.5   | 75.0 ± 0.5      | 2.00x |" in page and "Q8_0 x211, F32 x61" in page
 
 
 def test_a_failed_peer_server_leaves_the_verdict_open() -> None:

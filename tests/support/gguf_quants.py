@@ -111,7 +111,11 @@ def reencode_gguf(src: Path, dst: Path,
                 writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
             continue
         values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        writer.add_tensor(tensor.name, encode(values, kind), raw_dtype=kind)
+        if kind in (T.F32, T.F16):
+            writer.add_tensor(tensor.name, values.astype(np.float32 if kind == T.F32
+                                                         else np.float16))
+        else:
+            writer.add_tensor(tensor.name, encode(values, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
