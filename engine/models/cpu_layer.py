@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from engine.models.cpu_linear import PackedLinear
-from engine.quantization.methods import Int4Method, Int8Method, QuantizedLinear, U8BlockMethod
+from engine.quantization.blocks import U5BlockMethod, U8BlockMethod
+from engine.quantization.methods import Int4Method, Int8Method, QuantizedLinear
 from kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from engine.models.rope import RotaryEmbedding
 
 # Linear kinds as decoder_layer.cpp numbers them.
-DENSE, PACKED, INT4, INT8, INT4_TILES, INT8_TILES, U8_TILES = 0, 1, 2, 3, 4, 5, 6
+DENSE, PACKED, INT4, INT8, INT4_TILES, INT8_TILES, U8_TILES, U5_TILES = range(8)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ def linear_spec(module: nn.Module, dtype: torch.dtype) -> LinearSpec | None:
         kind, scales = ((INT4_TILES, tensors["scale_mins"]) if isinstance(method, Int4Method)
                         else (U8_TILES, tensors["scale_mins"])
                         if isinstance(method, U8BlockMethod)
+                        else (U5_TILES, tensors["scale_mins"])
+                        if isinstance(method, U5BlockMethod)
                         else (INT8_TILES, tensors["scales"]))
         return LinearSpec(kind, 0, (tensors["qweight"], scales, module.bias),
                           method.fused_rows_limit(tensors))

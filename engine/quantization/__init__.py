@@ -23,6 +23,7 @@ from engine.config import (
 from engine.cpu_features import auto_cpu_dtype
 from engine.models.cpu_linear import PackedLinear
 from engine.quantization import tiles
+from engine.quantization.blocks import BLOCK_METHODS, U5BlockMethod, U8BlockMethod
 from engine.quantization.checkpoint import CheckpointCodes, LayerCodes
 from engine.quantization.methods import (
     ApplyPlan,
@@ -31,7 +32,6 @@ from engine.quantization.methods import (
     Int8Method,
     LinearMethod,
     QuantizedLinear,
-    U8BlockMethod,
 )
 
 logger = logging.getLogger("kvserve")
@@ -191,16 +191,17 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
 def checkpoint_tensors(codes: LayerCodes, int4: LinearMethod
                        ) -> tuple[LinearMethod, dict[str, torch.Tensor]]:
     """A checkpoint layer's method and tensors, from its codes exactly: 4-bit codes through
-    `int4` (its scales in float16, as the checkpoint stores them), 8-bit ones (a GGUF file's
-    Q8_0 and Q5 blocks) through U8BlockMethod under the same plan."""
-    if codes.bits == 8:
-        u8 = U8BlockMethod(int4.plan)
-        reason = probe_fused(u8) if u8.plan.fuses else None
+    `int4` (its scales in float16, as the checkpoint stores them), 5- and 8-bit ones (a GGUF
+    file's Q5 and Q8_0/Q6_K blocks) through the block methods under the same plan."""
+    if codes.bits in BLOCK_METHODS:
+        method = BLOCK_METHODS[codes.bits](int4.plan)
+        reason = probe_fused(method) if method.plan.fuses else None
         if reason is not None:
-            logger.warning("the fused 8-bit block kernel failed its startup probe (%s); "
-                           "dequantizing each such weight before its matmul instead", reason)
-            u8 = U8BlockMethod(ApplyPlan("dequant", int4.plan.compute_dtype))
-        return u8, u8.weights_from_codes(codes.codes, codes.scales, codes.mins())
+            logger.warning("the fused %d-bit block kernel failed its startup probe (%s); "
+                           "dequantizing each such weight before its matmul instead",
+                           codes.bits, reason)
+            method = BLOCK_METHODS[codes.bits](ApplyPlan("dequant", int4.plan.compute_dtype))
+        return method, method.weights_from_codes(codes.codes, codes.scales, codes.mins())
     return int4, int4.weights_from_codes(codes.codes, codes.scales,  # type: ignore[attr-defined]
                                          codes.offsets, torch.float16)
 
@@ -344,6 +345,7 @@ __all__ = [
     "LinearMethod",
     "QuantizationReport",
     "QuantizedLinear",
+    "U5BlockMethod",
     "U8BlockMethod",
     "apply_plan",
     "gguf_linear_bytes",

@@ -91,10 +91,10 @@ def unpack_rows(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) 
 
 @dataclass
 class LayerCodes:
-    """One quantized layer: codes [out, in] of `bits` bits (0..15 or 0..255), and per group
+    """One quantized layer: codes [out, in] of `bits` bits (4, 5 or 8), and per group
     [out, groups] a scale and an offset: w = (q - center) x scale + offset, the center 8 for
-    4-bit codes (tinygemm's offset) and 0 for 8-bit ones (the offset is then the group's min,
-    kept exactly). A checkpoint's integer zero point z gives offset (8 - z) x scale; GGUF's
+    4-bit codes (tinygemm's offset) and 0 for 5- and 8-bit ones (the offset is then the group's
+    min, kept exactly). A checkpoint's integer zero point z gives offset (8 - z) x scale; GGUF's
     Q4_1 (w = d q + m) gives 8 d + m, Q4_0 (d (q - 8)) gives 0, Q8_0 (d c, c signed, stored
     here as q = c + 128) gives -128 d."""
 
@@ -119,11 +119,12 @@ class LayerCodes:
         """w at code 0 per group: w = q x scale + min."""
         return self.offsets - self.center * self.scales
 
-    def widened(self) -> LayerCodes:
-        """The same weights as 8-bit codes (the codes unchanged, the offsets moved)."""
-        if self.bits == 8:
+    def widened(self, bits: int) -> LayerCodes:
+        """The same weights as codes of `bits` >= self.bits (the codes unchanged, the
+        offsets moved to 5 and 8 bits' center, 0)."""
+        if bits == self.bits:
             return self
-        return LayerCodes(self.codes, self.scales, self.mins(), self.contiguous_groups, 8)
+        return LayerCodes(self.codes, self.scales, self.mins(), self.contiguous_groups, bits)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] the codes stand for."""
@@ -136,8 +137,8 @@ class LayerCodes:
     @classmethod
     def concatenated(cls, layers: list[LayerCodes]) -> LayerCodes:
         """The layers' rows stacked (a fused linear), at the widest of their code widths."""
-        if any(layer.bits == 8 for layer in layers):
-            layers = [layer.widened() for layer in layers]
+        bits = max(layer.bits for layer in layers)
+        layers = [layer.widened(bits) for layer in layers]
         return cls(torch.cat([layer.codes for layer in layers]),
                    torch.cat([layer.scales for layer in layers]),
                    torch.cat([layer.offsets for layer in layers]),

@@ -269,59 +269,6 @@ class Int4Method(LinearMethod):
                                                           scale_zeros)
 
 
-class U8BlockMethod(LinearMethod):
-    """8-bit codes per block of 32 inputs with a float16 scale and min: w = q x scale + min,
-    q in 0..255. A GGUF file's Q8_0 blocks (w = d x c, c signed: q = c + 128, min -128 d) and
-    Q5 blocks keep their codes here exactly. Made from a float weight, it is Q8_0: symmetric
-    per block, scale max |w| / 127. The fused kernel is kvserve's tiled u8_linear (torch has
-    none for it); elsewhere each call dequantizes."""
-
-    name = "u8"
-    group_size = 32
-
-    def supports_fused(self, out_features: int, in_features: int) -> bool:
-        return self.uses_tiles(out_features, in_features)
-
-    def create_weights(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        out_features, in_features = weight.shape
-        if in_features % self.group_size:
-            raise ValueError(f"8-bit blocks need input sizes divisible by {self.group_size}; "
-                             f"a layer has {in_features}")
-        w = weight.float().reshape(out_features, -1, self.group_size)
-        scales = (w.abs().amax(dim=-1) / 127.0).half().float().clamp(
-            min=float(torch.finfo(torch.float16).tiny))
-        codes = (w / scales[..., None]).round().clamp(-127, 127) + 128
-        return self.weights_from_codes(codes.reshape(out_features, in_features).to(torch.int32),
-                                       scales, -128.0 * scales)
-
-    def weights_from_codes(self, codes: torch.Tensor, scales: torch.Tensor,
-                           mins: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The layer's tensors for codes [out, in] in 0..255 and scales and mins [out,
-        groups of 32] (w = q x scale + min), kept in float16."""
-        out_features, in_features = codes.shape
-        if self.uses_tiles(out_features, in_features):
-            qweight, scale_mins = tiles.pack_u8(codes, scales.float(), mins.float(),
-                                                torch.float16)
-            return {"qweight": qweight, "scale_mins": scale_mins,
-                    "layout_tiles": torch.empty(0, dtype=torch.uint8)}
-        return {"qweight": codes.to(torch.uint8).contiguous(),
-                "scale_mins": torch.stack((scales, mins)).half().contiguous()}
-
-    def dequantize(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "layout_tiles" in tensors:
-            codes, scales, mins = tiles.unpack_u8(tensors["qweight"], tensors["scale_mins"])
-        else:
-            codes = tensors["qweight"]
-            scales, mins = tensors["scale_mins"]
-        out_features, in_features = codes.shape
-        grouped = codes.reshape(out_features, scales.shape[1], -1).float()
-        w = grouped * scales.float()[..., None] + mins.float()[..., None]
-        return w.reshape(out_features, in_features).to(self.plan.compute_dtype)
-
-    def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.ops.kvserve_cpu.u8_linear(x, tensors["qweight"], tensors["scale_mins"])
-
-
 class QuantizedLinear(nn.Module):
     """A linear layer whose weight lives in a LinearMethod's format (buffers, not parameters)."""
 

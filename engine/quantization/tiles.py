@@ -7,8 +7,11 @@ rows, each summing 4 consecutive inputs, so a block of 32 inputs is 8 operands o
   and operand j + 4 in its high ones; byte 4l + i of operand c is row l's input 32b + 4c + i.
   Scales and mins: [tiles, groups, 2, 16] (w = scale x q + min).
 - int8: block b of tile t is its 8 operands of 64 bytes, [tiles, blocks x 512].
-- 8-bit codes (a GGUF file's Q8_0 and Q5 blocks): uint8 codes in the int8 layout, with int4's
-  scales and mins (w = scale x q + min, q in 0..255).
+- 8-bit codes (a GGUF file's Q8_0 and Q6_K blocks): uint8 codes in the int8 layout, with
+  int4's scales and mins (w = scale x q + min, q in 0..255).
+- 5-bit codes (Q5_0, Q5_1, Q5_K): 320 bytes a block, the low 4 bits as int4's 256, then 8
+  little-endian 64-bit words, word c bit i the fifth bit of operand c's byte i; int4's scales
+  and mins.
 
 `pack_*` turn codes [out, in] into a layout, `unpack_*` return them (the tests and
 `dequantize` read weights back through them); a tied embedding reads single int8 rows with the
@@ -94,6 +97,33 @@ def unpack_u8(qweight: torch.Tensor, scale_mins: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qweight, scale_mins) -> codes [out, in] int32, scales and mins [out, groups]."""
     ops = qweight.reshape(qweight.shape[0], -1, 8, TILE_ROWS, 4)
+    return (_from_operands(ops).to(torch.int32), *_split_scale_mins(scale_mins))
+
+
+def pack_u5(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [out, in] in 0..31, scales and mins [out, groups] -> (qweight, scale_mins)."""
+    _check_fit("5-bit", codes)
+    ops = _operands(codes.to(torch.uint8))  # [tiles, blocks, 8, 16, 4]
+    low = ops & 0xF
+    runs = low[:, :, :4] | (low[:, :, 4:] << 4)  # [tiles, blocks, 4, 16, 4]
+    tiles, blocks = ops.shape[:2]
+    fifth = (ops >> 4).reshape(tiles, blocks, 8, 8, 8)  # operand, byte of the word, bit
+    words = (fifth << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    block = torch.cat((runs.reshape(tiles, blocks, 256), words.reshape(tiles, blocks, 64)), -1)
+    return block.reshape(tiles, -1).contiguous(), _scale_mins(scales, mins, dtype)
+
+
+def unpack_u5(qweight: torch.Tensor, scale_mins: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight, scale_mins) -> codes [out, in] int32, scales and mins [out, groups]."""
+    tiles = qweight.shape[0]
+    block = qweight.reshape(tiles, -1, 320)
+    runs = block[..., :256].reshape(tiles, -1, 4, TILE_ROWS, 4)
+    low = torch.cat((runs & 0xF, runs >> 4), dim=2)  # [tiles, blocks, 8, 16, 4]
+    words = block[..., 256:].reshape(tiles, -1, 8, 8, 1)
+    fifth = (words >> torch.arange(8, dtype=torch.uint8)) & 1  # [.., operand, byte, bit]
+    ops = low | (fifth.reshape(low.shape) << 4)
     return (_from_operands(ops).to(torch.int32), *_split_scale_mins(scale_mins))
 
 

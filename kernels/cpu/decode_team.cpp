@@ -1,5 +1,5 @@
 // DecoderStack's decode step in one parallel region (team.h): every layer of a pure-decode
-// batch of a few rows whose linears are all kvserve's tiled int4/int8/8-bit ones (kinds 4-6,
+// batch of a few rows whose linears are all kvserve's tiled int4/int8/8-/5-bit ones (kinds 4-7,
 // no bias), float32 activations and a float32 cache. The layer is decoder_layer_'s, on raw
 // buffers:
 //
@@ -33,14 +33,14 @@ constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs (see
 
 #ifdef KVSERVE_INT8_DOT
 
-// One linear of kind 4 (int4 tiles), 5 (int8 tiles) or 6 (8-bit code tiles): its weight
-// views, built once.
+// One linear of kind 4 (int4 tiles), 5 (int8 tiles), 6 (8-bit code tiles) or 7 (5-bit code
+// tiles): its weight views, built once.
 struct TeamLinear {
   int64_t kind, N, K, blocks, groups;
   const void *codes, *scales;
   at::ScalarType scale_type;
 
-  static int64_t block_bytes(int64_t kind) { return kind == 4 ? 256 : 512; }
+  static int64_t block_bytes(int64_t kind) { return kind == 4 ? 256 : kind == 7 ? 320 : 512; }
   TeamLinear(int64_t kind_, const at::Tensor& qweight, const at::Tensor& s)
       : kind(kind_), N(qweight.size(0) * qgemm::kRows),
         blocks(qweight.size(1) / block_bytes(kind_)),
@@ -57,6 +57,8 @@ struct TeamLinear {
       qgemm::int8_path(qgemm::Q4<S>{u, sp, K, blocks, groups, blocks / groups}, x, M, N, K, y);
     } else if (kind == 6) {
       qgemm::int8_path(qgemm::U8<S>{u, sp, K, blocks, groups, blocks / groups}, x, M, N, K, y);
+    } else if (kind == 7) {
+      qgemm::int8_path(qgemm::U5<S>{u, sp, K, blocks, groups, blocks / groups}, x, M, N, K, y);
     } else {
       const qgemm::Q8<S> w{static_cast<const int8_t*>(codes), sp, K, blocks};
       qgemm::int8_path(w, x, M, N, K, y);
@@ -70,7 +72,7 @@ struct TeamLinear {
   }
 };
 
-// Whether linear i is an int4/int8/8-bit-code tile weight without bias of shape [N, K] (the kernels read
+// Whether linear i is an int4/int8/5-/8-bit-code tile weight without bias of shape [N, K] (the kernels read
 // the raw buffers unchecked, so the shapes are checked here).
 // Each layer's four linears (qkv, o, gate_up, down) and the widest qkv and gate_up outputs, for
 // rows of `hidden`: what team_plan works out once.
@@ -86,7 +88,7 @@ namespace {
 bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linears, int64_t i,
                  int64_t N, int64_t K) {
   const std::optional<at::Tensor> w = linears.get(3 * i), s = linears.get(3 * i + 1);
-  if ((kind != 4 && kind != 5 && kind != 6) || !w.has_value() || !s.has_value() ||
+  if ((kind < 4 || kind > 7) || !w.has_value() || !s.has_value() ||
       linears.get(3 * i + 2).has_value() || !w->is_contiguous() || !s->is_contiguous() ||
       w->dim() != 2 || w->scalar_type() != (kind == 5 ? at::kChar : at::kByte)) {
     return false;

@@ -12,6 +12,7 @@
 //   kind 4  int4 tiles, scales and mins (+ bias)            q4_linear (qgemm.cpp)
 //   kind 5  int8 tiles, per-channel scales (+ bias)         q8_linear (qgemm.cpp)
 //   kind 6  8-bit code tiles, scales and mins (+ bias)      u8_linear (qgemm.cpp)
+//   kind 7  5-bit code tiles, scales and mins (+ bias)      u5_linear (qgemm.cpp)
 //
 // and falls back to its Python forward for anything else (tensor parallel, other formats).
 
@@ -75,6 +76,9 @@ at::Tensor linear(const at::Tensor& x, int64_t index, at::IntArrayRef kinds,
       break;
     case 6:
       y = u8_linear(x, *a, *b, 0);
+      break;
+    case 7:
+      y = u5_linear(x, *a, *b, 0);
       break;
     default:
       TORCH_CHECK(false, "decoder_layer_: unknown linear kind ", kinds[index]);

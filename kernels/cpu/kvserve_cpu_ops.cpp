@@ -15,8 +15,8 @@
 //                     torch ops, rounding where the torch formulation rounds (so bfloat16
 //                     results match the eager model's).
 //
-//   q4_linear, u8_linear, q8_linear
-//                     weight-only int4 and 8-bit codes (a scale and min per group of blocks
+//   q4_linear, u5_linear, u8_linear, q8_linear
+//                     weight-only 4-, 5- and 8-bit codes (a scale and min per group of blocks
 //                     of 32) and int8 (per row) linear layers, in tiles of 16 rows for
 //                     AVX512-VNNI's int8 dot product (qgemm.cpp);
 //   q8_embedding      rows of such an int8 weight by token id (a tied embedding);
@@ -54,6 +54,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
         "int[] heads, float scale, int sliding_window, float k_scale, float v_scale, "
         "Tensor? query_start_loc=None) -> ()");
   m.def("q4_linear(Tensor x, Tensor qweight, Tensor scale_mins, int path=0) -> Tensor");
+  m.def("u5_linear(Tensor x, Tensor qweight, Tensor scale_mins, int path=0) -> Tensor");
   m.def("u8_linear(Tensor x, Tensor qweight, Tensor scale_mins, int path=0) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales, int path=0) -> Tensor");
   m.def("q8_embedding(Tensor ids, Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor");
@@ -80,6 +81,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("rotary_", &kvserve::rotary_);
   m.impl("decoder_layer_", &kvserve::decoder_layer_);
   m.impl("q4_linear", &kvserve::q4_linear);
+  m.impl("u5_linear", &kvserve::u5_linear);
   m.impl("u8_linear", &kvserve::u8_linear);
   m.impl("q8_linear", &kvserve::q8_linear);
   m.impl("q8_embedding", &kvserve::q8_embedding);

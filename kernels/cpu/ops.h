@@ -40,6 +40,8 @@ at::Tensor argmax_rows(const at::Tensor& logits);  // torch.argmax(logits, -1), 
 bool int8_dot_available();  // whether q4/q8_linear were built with AVX512-VNNI
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scale_mins, int64_t path);
+at::Tensor u5_linear(const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scale_mins, int64_t path);
 at::Tensor u8_linear(const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scale_mins, int64_t path);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,

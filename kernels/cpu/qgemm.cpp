@@ -10,8 +10,11 @@
 //       tile t is 256 bytes: 4 runs of 64, run j holding operand j in its low nibbles and
 //       operand j + 4 in its high ones; byte 4l + i of a run is row l's input 4c + i of the
 //       block (c the operand). scale_mins: per tile and group, 16 scales then 16 mins.
+//   u5_linear(x [M, K], qweight [N/16, K/32 * 320] uint8, scale_mins [N/16, groups, 2, 16])
+//       as q4_linear with 5-bit codes q in 0..31 (GGUF's Q5 blocks): the low 4 bits as
+//       q4_linear's 256 bytes, then 8 words of 64 bits, word c the fifth bits of operand c.
 //   u8_linear(x [M, K], qweight [N/16, K/32 * 512] uint8, scale_mins [N/16, groups, 2, 16])
-//       as q4_linear with 8-bit codes q in 0..255 (GGUF's Q8_0 and Q5 blocks): block b of
+//       as q4_linear with 8-bit codes q in 0..255 (GGUF's Q8_0 and Q6_K blocks): block b of
 //       tile t is its 8 operands of 64 bytes, byte 4l + i of operand c row l's input 4c + i.
 //   q8_linear(x [M, K], qweight [N/16, K/32 * 512] int8, scales [N])
 //       w[n, k] = scales[n] * q[n, k]; block b of tile t is its 8 operands, 64 bytes each.
@@ -114,7 +117,7 @@ bool int8_dot_available() {
 
 namespace {
 
-// q4_linear and u8_linear: asymmetric codes of `Bits` in tiles, a scale and min per group.
+// q4_linear, u5_linear and u8_linear: asymmetric codes of `Bits` in tiles, a scale and min per group.
 template <int Bits>
 at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& qweight,
                          const at::Tensor& scale_mins, int64_t path, const char* op) {
@@ -153,6 +156,11 @@ at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& qweight,
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scale_mins, int64_t path) {
   return blocks_linear<4>(x, qweight, scale_mins, path, "q4_linear");
+}
+
+at::Tensor u5_linear(const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scale_mins, int64_t path) {
+  return blocks_linear<5>(x, qweight, scale_mins, path, "u5_linear");
 }
 
 at::Tensor u8_linear(const at::Tensor& x, const at::Tensor& qweight,

@@ -25,12 +25,17 @@ constexpr int kChunkRows = 24;      // row chunks are whole passes of either
 enum Path : int64_t { kAuto = 0, kFloat = 1, kInt8Dot = 2 };
 
 // Asymmetric codes per block of 32 inputs, w = s * q + m with a scale s and min m per group of
-// `per_group` blocks: 4-bit codes (q in 0..15, 256 bytes a tile block) or 8-bit ones (q in
-// 0..255, 512 bytes: a GGUF Q8_0 or Q5 block, its signed codes shifted into 0..255 and the
-// shift folded into the min).
+// `per_group` blocks, of 4, 5 or 8 bits:
+//   4: q in 0..15, 256 bytes a tile block: 4 runs of 64, run j holding operand j in its low
+//      nibbles and j + 4 in its high ones;
+//   5: q in 0..31 (GGUF's Q5 blocks), 320 bytes: the low 4 bits as int4's 256, then 8 words of
+//      64 bits, word c the fifth bits of operand c's 64 bytes (bit i of byte i);
+//   8: q in 0..255 (GGUF's Q8_0, its signed codes shifted, the shift in the min), 512 bytes:
+//      the 8 operands in order.
+// Byte 4 l + i of operand c is row l's input 4 c + i of the block.
 template <typename S, int Bits>
 struct QBlocks {
-  static_assert(Bits == 4 || Bits == 8, "4- or 8-bit codes");
+  static_assert(Bits == 4 || Bits == 5 || Bits == 8, "4-, 5- or 8-bit codes");
   static constexpr int64_t kBlockBytes = kRows * kBlock * Bits / 8;
   const uint8_t* codes;
   const S* sm;
@@ -41,14 +46,16 @@ struct QBlocks {
   }
   const S* scales(int64_t t, int64_t g) const { return sm + (t * groups + g) * 2 * kRows; }
 
-  // Code of row l at input 4 c + i of block p (c the operand): 4-bit run j holds operand j in
-  // its low nibbles and j + 4 in its high ones; 8-bit blocks hold the 8 operands in order.
+  // Code of row l at input 4 c + i of block p.
   static int code(const uint8_t* p, int l, int c, int i) {
-    if constexpr (Bits == 4) {
-      const uint8_t byte = p[64 * (c % 4) + 4 * l + i];
-      return c < 4 ? (byte & 0xF) : (byte >> 4);
-    } else {
+    if constexpr (Bits == 8) {
       return p[64 * c + 4 * l + i];
+    } else {
+      const uint8_t byte = p[64 * (c % 4) + 4 * l + i];
+      const int low = c < 4 ? (byte & 0xF) : (byte >> 4);
+      if constexpr (Bits == 4) return low;
+      const int bit = 4 * l + i;
+      return low | ((p[256 + 8 * c + bit / 8] >> (bit % 8)) & 1) << 4;
     }
   }
   void dequant_tile(int64_t t, float* out) const {  // out [16, K]
@@ -68,6 +75,8 @@ struct QBlocks {
 
 template <typename S>
 using Q4 = QBlocks<S, 4>;
+template <typename S>
+using U5 = QBlocks<S, 5>;
 template <typename S>
 using U8 = QBlocks<S, 8>;
 

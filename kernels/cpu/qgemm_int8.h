@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "qgemm.h"
 #include "quant_rows.h"
@@ -101,10 +102,35 @@ void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
   store16(y + r * N + t * kRows, _mm512_mul_ps(acc, _mm512_set1_ps(1.0f / 16.0f)));
 }
 
-// One row of x against 8-bit block tile t (batch-1 decode): the 8 operands go straight into
-// two chains of dot products; the group's scale and min as in the int4 tiles.
-template <typename S, typename T>
-void tile_one_row(const U8<S>& w, const QuantRows& a, int64_t t, int64_t r, int64_t N, T* y) {
+// Operands j and j + 4 of tile block p (see QBlocks): 4-bit ones from the nibbles of run j,
+// 5-bit ones with their fifth bits added from the block's bit words, 8-bit ones as they are.
+template <int Bits>
+inline void operand_pair(const uint8_t* p, int j, __m512i& lo, __m512i& hi) {
+  if constexpr (Bits == 8) {
+    lo = _mm512_loadu_si512(p + 64 * j);
+    hi = _mm512_loadu_si512(p + 64 * (j + 4));
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512(p + 64 * j);
+    lo = _mm512_and_si512(v, low4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if constexpr (Bits == 5) {
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      uint64_t bits[2];
+      std::memcpy(&bits[0], p + 256 + 8 * j, 8);
+      std::memcpy(&bits[1], p + 256 + 8 * (j + 4), 8);
+      lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, sixteen);
+      hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, sixteen);
+    }
+  }
+}
+
+// One row of x against 5- or 8-bit block tile t (batch-1 decode): each run's two operands
+// into two chains of dot products; the group's scale and min as in the int4 tiles.
+template <typename S, int Bits, typename T>
+void tile_one_row(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t r,
+                  int64_t N, T* y) {
+  constexpr int64_t bytes = QBlocks<S, Bits>::kBlockBytes;
   const int64_t scales_ahead =
       kAheadBlocks / w.per_group * 2 * kRows * static_cast<int64_t>(sizeof(S));
   __m512 acc = _mm512_setzero_ps();
@@ -116,12 +142,14 @@ void tile_one_row(const U8<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
     acc = _mm512_fmadd_ps(load16(s + kRows), _mm512_set1_ps(a.sums[r * a.groups + g]), acc);
     for (int64_t b = g * w.per_group; b < (g + 1) * w.per_group; ++b) {
       const uint8_t* p = w.block(t, b);
-      prefetch_lines(p + kAheadBlocks * U8<S>::kBlockBytes, U8<S>::kBlockBytes);
+      prefetch_lines(p + kAheadBlocks * bytes, bytes);
       const int32_t* xq = x + b * kBlock / 4;
       __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
       for (int j = 0; j < 4; ++j) {
-        lo = _mm512_dpbusd_epi32(lo, _mm512_loadu_si512(p + 64 * j), broadcast(xq + j));
-        hi = _mm512_dpbusd_epi32(hi, _mm512_loadu_si512(p + 64 * (j + 4)), broadcast(xq + j + 4));
+        __m512i op_lo, op_hi;
+        operand_pair<Bits>(p, j, op_lo, op_hi);
+        lo = _mm512_dpbusd_epi32(lo, op_lo, broadcast(xq + j));
+        hi = _mm512_dpbusd_epi32(hi, op_hi, broadcast(xq + j + 4));
       }
       const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(a.da[r * a.blocks + b]));
       acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), scale, acc);
@@ -142,7 +170,6 @@ void tile_one_row(const U8<S>& w, const QuantRows& a, int64_t t, int64_t r, int6
 template <int T, int R, typename S, int Bits, typename Y>
 void q4_tiles(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N,
               Y* y, bool ahead) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int32_t* x = a.quads(r0);  // the pass's codes: R per 4 inputs
   __m512 acc[T][R];
   for (int i = 0; i < T; ++i)
@@ -161,17 +188,7 @@ void q4_tiles(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t 
     }
     for (int j = 0; j < 4; ++j) {  // run j: operand j in the low nibbles, j + 4 in the high
       __m512i lo[T], hi[T];
-      for (int i = 0; i < T; ++i) {
-        const uint8_t* p = w.block(t + i, b);
-        if constexpr (Bits == 4) {
-          const __m512i v = _mm512_loadu_si512(p + 64 * j);
-          lo[i] = _mm512_and_si512(v, low4);
-          hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        } else {
-          lo[i] = _mm512_loadu_si512(p + 64 * j);
-          hi[i] = _mm512_loadu_si512(p + 64 * (j + 4));
-        }
-      }
+      for (int i = 0; i < T; ++i) operand_pair<Bits>(w.block(t + i, b), j, lo[i], hi[i]);
       for (int r = 0; r < R; ++r) {
         const __m512i xr = broadcast(xq + j * R + r);
         for (int i = 0; i < T; ++i) part[i][r] = _mm512_dpbusd_epi32(part[i][r], lo[i], xr);
@@ -266,7 +283,7 @@ void q4_passes(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t
   }
 }
 
-// Rows r0..r1 of x against int4 (or 8-bit block) tile t, and tile t + 1 too where it is below
+// Rows r0..r1 of x against int4 (or 5- or 8-bit block) tile t, and tile t + 1 too where it is below
 // t_end (this thread's tiles end there); returns the tiles done. One row of x (batch-1
 // decode) takes tile_one_row, tile by tile.
 template <typename S, int Bits, typename T>

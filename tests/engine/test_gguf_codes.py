@@ -1,6 +1,7 @@
 """A GGUF file's quantized blocks of every type kvserve keeps in place (Q4_0/1, Q5_0/1, Q8_0,
 Q4_K, Q5_K, Q6_K; engine/model_loader/gguf/codes.py), against the `gguf` package's own
-dequantizer, and a SmolLM2 file re-encoded in a mix of them served end to end."""
+dequantizer; the 5- and 8-bit block methods; and a SmolLM2 file re-encoded in a mix of types
+served end to end."""
 
 from __future__ import annotations
 
@@ -57,14 +58,14 @@ def test_codes_stand_for_the_files_values(kind: GGMLQuantizationType) -> None:
 
 
 def test_code_widths_of_the_fused_linears_from_the_header() -> None:
-    """8 bits where any matrix of a fused linear has 8-bit codes, a mean over the layers, and
-    None where a decoder matrix loads as floats."""
+    """The widest code of a fused linear's matrices, a mean over the layers, and None where a
+    decoder matrix loads as floats."""
     names = {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_0,
-             "ffn_gate": T.Q4_1, "ffn_up": T.Q4_1, "ffn_down": T.Q8_0}
+             "ffn_gate": T.Q4_1, "ffn_up": T.Q5_0, "ffn_down": T.Q8_0}
     tensors = [(f"blk.{layer}.{part}.weight", kind) for layer in range(2)
                for part, kind in names.items()] + [("token_embd.weight", T.F16)]
     tensors[-2] = ("blk.1.ffn_down.weight", T.Q4_K)
-    assert linear_code_bits(tensors, 2) == (8.0, 4.0, 4.0, 6.0)
+    assert linear_code_bits(tensors, 2) == (8.0, 4.0, 5.0, 6.0)
     assert linear_code_bits(tensors + [("blk.0.ffn_up.weight", T.F16)], 2) is None
 
 
@@ -107,6 +108,7 @@ def test_a_file_of_mixed_types_runs_in_place(mixed_file: Path,
     from engine.quantization import (
         Int4Method,
         QuantizedLinear,
+        U5BlockMethod,
         U8BlockMethod,
         quantized_weight_bytes,
     )
@@ -130,12 +132,13 @@ def test_a_file_of_mixed_types_runs_in_place(mixed_file: Path,
             "layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj",
             "layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj", "layers.1.mlp.down_proj",
             "layers.2.mlp.down_proj")}
-        assert methods["layers.0.mlp.down_proj"] is Int4Method  # Q4_K: 4-bit codes
-        assert all(m is U8BlockMethod for n, m in methods.items() if n != "layers.0.mlp.down_proj")
+        assert list(methods.values()) == [U8BlockMethod, U8BlockMethod,  # Q8_0
+                                          U5BlockMethod,  # Q5_0 and Q5_1
+                                          Int4Method, U5BlockMethod, U8BlockMethod]  # Q4/5/6_K
         # kvserve plan's arithmetic from the header alone: the bytes the loaded layers hold
         cfg = read_gguf_config(mixed_file)
-        assert cfg.gguf_code_bits is not None and cfg.gguf_code_bits[:3] == (8, 8, 8)
-        assert cfg.gguf_code_bits[3] == pytest.approx(20 / 3)  # Q4_K, Q5_K, Q6_K in turn
+        assert cfg.gguf_code_bits is not None and cfg.gguf_code_bits[:3] == (8, 8, 5)
+        assert cfg.gguf_code_bits[3] == pytest.approx(17 / 3)  # Q4_K, Q5_K, Q6_K in turn
         assert quantized_weight_bytes(cfg, "gguf", torch.float32) == \
             in_place.engine.runner.weight_bytes() < 150 * 2**20
         reader = GGUFReader(str(mixed_file))
@@ -165,29 +168,33 @@ def test_a_file_of_mixed_types_runs_in_place(mixed_file: Path,
     assert rule and mad <= 0.15 and agree >= 0.25, (agree, mad)
 
 
+@pytest.mark.parametrize("bits", [5, 8])
 @pytest.mark.parametrize("mode", ["tiled", "dequant"])
-def test_u8_method_from_floats_and_codes(mode: str) -> None:
-    """Made from a float weight it is Q8_0 (symmetric per block of 32, each weight within half
-    a step); from codes it keeps them; both layouts (the tiles, and the plain codes a CPU
-    without the tile kernels dequantizes per call) compute x W^T of the weight they hold."""
-    from engine.quantization import ApplyPlan, U8BlockMethod
+def test_block_methods_from_floats_and_codes(mode: str, bits: int) -> None:
+    """Made from a float weight they are Q5_1 and Q8_0 (each weight within half a step); from
+    codes they keep them; both layouts (the tiles, and the plain codes a CPU without the tile
+    kernels dequantizes per call) compute x W^T of the weight they hold."""
+    from engine.quantization import ApplyPlan
     from engine.quantization import tiles as tile_layouts
+    from engine.quantization.blocks import BLOCK_METHODS
 
     if mode == "tiled" and tile_layouts.tile_ops() is None:
         pytest.skip("kvserve's tile kernels are not built here (AVX512-VNNI)")
-    method = U8BlockMethod(ApplyPlan(mode, torch.float32))
+    method = BLOCK_METHODS[bits](ApplyPlan(mode, torch.float32))
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(48, 96, generator=gen)
     tensors = method.create_weights(weight)
     assert ("layout_tiles" in tensors) == (mode == "tiled")
     w = method.dequantize(tensors)
-    step = weight.reshape(48, 3, 32).abs().amax(-1, keepdim=True) / 127
-    assert ((w - weight).reshape(48, 3, 32).abs() <= step * 0.5 * (1 + 1e-2)).all()
+    blocks = weight.reshape(48, 3, 32)
+    step = (blocks.abs().amax(-1, keepdim=True) / 127 if bits == 8 else
+            (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 31)
+    assert ((w - weight).reshape(48, 3, 32).abs() <= step * 0.5 * (1 + 1e-2) + 1e-3).all()
     x = torch.randn(5, 96, generator=gen)
     got = method.apply(x, tensors, None, fused=mode == "tiled")
     want = x @ w.t()
     assert (got - want).abs().max() <= (1.5e-2 if mode == "tiled" else 1e-5) * want.abs().max()
-    codes = torch.randint(0, 256, (48, 96), generator=gen, dtype=torch.int32)
+    codes = torch.randint(0, 1 << bits, (48, 96), generator=gen, dtype=torch.int32)
     scales, mins = torch.rand(48, 3, generator=gen) / 100, -torch.rand(48, 3, generator=gen)
     held = method.dequantize(method.weights_from_codes(codes, scales, mins))
     exact = codes.reshape(48, 3, 32).float() * scales.half().float()[..., None] + \
@@ -201,7 +208,7 @@ def test_a_fused_linear_with_a_float_part_stays_float(tmp_path: Path) -> None:
     rows, so it loads as floats; every other linear keeps its codes, and the model runs."""
     from engine import LLM, SamplingParams
     from engine.model_loader.gguf.weights import default_model_path
-    from engine.quantization import QuantizedLinear, U8BlockMethod
+    from engine.quantization import QuantizedLinear, U5BlockMethod, U8BlockMethod
 
     def kind_of(name: str) -> GGMLQuantizationType | None:
         return T.F16 if name == "blk.0.attn_v.weight" else _kind_of(name)
@@ -212,7 +219,7 @@ def test_a_fused_linear_with_a_float_part_stays_float(tmp_path: Path) -> None:
         model = llm.engine.runner.model
         assert not isinstance(model.get_submodule("layers.0.self_attn.qkv_proj"),
                               QuantizedLinear)
-        assert isinstance(model.get_submodule("layers.0.mlp.gate_up_proj").method, U8BlockMethod)
+        assert isinstance(model.get_submodule("layers.0.mlp.gate_up_proj").method, U5BlockMethod)
         assert isinstance(model.get_submodule("layers.1.self_attn.qkv_proj").method,
                           U8BlockMethod)
         out = llm.generate(["The capital of France is"],

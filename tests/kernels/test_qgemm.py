@@ -207,40 +207,49 @@ def test_zero_rows_and_bad_shapes(ops: object) -> None:
         ops.q4_linear(torch.zeros(2, 64), qweight, scale_mins, 7)  # type: ignore[attr-defined]
 
 
-# ---- 8-bit codes with a scale and min per group (a GGUF file's Q8_0 and Q5 blocks) ----------
+# ---- 5- and 8-bit codes with a scale and min per group (GGUF's Q5 and Q8_0 blocks) ----------
+
+# bits -> (the op, the packer, the unpacker, bytes per tile block)
+CODE_BITS = {5: ("u5_linear", tiles.pack_u5, tiles.unpack_u5, 320),
+             8: ("u8_linear", tiles.pack_u8, tiles.unpack_u8, 512)}
 
 
-def _u8(n: int, k: int, group: int, seed: int = 0
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes over all of 0..255 with Q8_0's min (-128 x scale) give or take a little."""
+def _coded(bits: int, n: int, k: int, group: int, seed: int = 0
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes over all of 0..2^bits - 1 with a min near -2^(bits-1) x scale (Q8_0's, Q5_0's)."""
     gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.int32)
     scales = torch.rand(n, k // group, generator=gen) * 0.002 + 0.0001
-    mins = -128 * scales + torch.randn(n, k // group, generator=gen) * 0.01
+    mins = -(1 << (bits - 1)) * scales + torch.randn(n, k // group, generator=gen) * 0.01
     return codes, scales, mins
 
 
-def test_u8_tiles_pack_and_unpack() -> None:
-    codes, scales, mins = _u8(48, 96, 32)
-    qweight, scale_mins = tiles.pack_u8(codes, scales, mins, torch.float32)
-    assert qweight.shape == (3, 3 * 512) and qweight.dtype == torch.uint8
+@pytest.mark.parametrize("bits", CODE_BITS)
+def test_coded_tiles_pack_and_unpack(bits: int) -> None:
+    _, pack, unpack, block_bytes = CODE_BITS[bits]
+    codes, scales, mins = _coded(bits, 48, 96, 32)
+    qweight, scale_mins = pack(codes, scales, mins, torch.float32)
+    assert qweight.shape == (3, 3 * block_bytes) and qweight.dtype == torch.uint8
     assert scale_mins.shape == (3, 3, 2, 16)
-    back, s, m = tiles.unpack_u8(qweight, scale_mins)
+    back, s, m = unpack(qweight, scale_mins)
     assert torch.equal(back, codes) and torch.equal(s, scales) and torch.equal(m, mins)
     with pytest.raises(ValueError, match="out % 16"):
-        tiles.pack_u8(codes[:40], scales[:40], mins[:40], torch.float32)
+        pack(codes[:40], scales[:40], mins[:40], torch.float32)
 
 
+@pytest.mark.parametrize("bits", CODE_BITS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 64, 1003])
 @pytest.mark.parametrize("n, k, group", [(48, 96, 32), (64, 512, 64), (96, 576, 32)])
-def test_u8_linear_paths(ops: object, rows: int, n: int, k: int, group: int) -> None:
-    codes, scales, mins = _u8(n, k, group, seed=rows)
-    qweight, scale_mins = tiles.pack_u8(codes, scales, mins, torch.float32)
+def test_coded_linear_paths(ops: object, bits: int, rows: int, n: int, k: int,
+                            group: int) -> None:
+    op, pack, _, _ = CODE_BITS[bits]
+    codes, scales, mins = _coded(bits, n, k, group, seed=rows)
+    qweight, scale_mins = pack(codes, scales, mins, torch.float32)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
     w = codes.double().reshape(n, -1, group) * scales.double()[..., None] + mins.double()[..., None]
     dense = x.double() @ w.reshape(n, k).t()
     for path in _paths(ops):
-        got = ops.u8_linear(x, qweight, scale_mins, path).double()  # type: ignore[attr-defined]
+        got = getattr(ops, op)(x, qweight, scale_mins, path).double()
         if path == FLOAT:
             torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
         else:
@@ -249,25 +258,27 @@ def test_u8_linear_paths(ops: object, rows: int, n: int, k: int, group: int) -> 
             assert (got - dense).abs().max() <= 1.5e-2 * dense.abs().max()
 
 
+@pytest.mark.parametrize("bits", CODE_BITS)
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
-def test_u8_one_row_equals_its_row_in_a_batch_at_any_thread_count(ops: object,
-                                                                  scale_dtype: torch.dtype
-                                                                  ) -> None:
+def test_coded_one_row_equals_its_row_in_a_batch_at_any_thread_count(
+        ops: object, bits: int, scale_dtype: torch.dtype) -> None:
     """One row (its own tile routine) gives, bit for bit, its row in a batch (tiles in pairs),
     however many threads split the tiles."""
     if not ops.int8_dot_available():  # type: ignore[attr-defined]
         pytest.skip("the int8-dot path needs AVX512-VNNI")
-    codes, scales, mins = _u8(80, 576, 32, seed=3)
-    qweight, scale_mins = tiles.pack_u8(codes, scales, mins, scale_dtype)
+    op, pack, _, _ = CODE_BITS[bits]
+    kernel = getattr(ops, op)
+    codes, scales, mins = _coded(bits, 80, 576, 32, seed=3)
+    qweight, scale_mins = pack(codes, scales, mins, scale_dtype)
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(11)) * 3
     threads = torch.get_num_threads()
     try:
         batches = []
         for num in (1, 2, 3):
             torch.set_num_threads(num)
-            batches.append(ops.u8_linear(x, qweight, scale_mins, INT8_DOT))  # type: ignore[attr-defined]
+            batches.append(kernel(x, qweight, scale_mins, INT8_DOT))
             for i in range(5):
-                one = ops.u8_linear(x[i:i + 1], qweight, scale_mins, INT8_DOT)  # type: ignore[attr-defined]
+                one = kernel(x[i:i + 1], qweight, scale_mins, INT8_DOT)
                 assert torch.equal(one[0], batches[0][i]), (num, i)
     finally:
         torch.set_num_threads(threads)

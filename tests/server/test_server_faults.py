@@ -81,6 +81,10 @@ def test_a_failed_step_is_500_and_the_server_keeps_serving(tiny_llama_dir: Path)
         for path, request in (("/v1/completions", {"prompt": PROMPT}),
                               ("/v1/chat/completions",
                                {"messages": [{"role": "user", "content": PROMPT}]})):
+            # A step scheduled ahead for the last request may still be running: it must not
+            # take this request's injected fault (a race seen under load).
+            await wait_until(lambda: engine.num_unfinished == 0 and not engine._step_in_flight,
+                             "the engine to go idle")
             failed[0] = 0
             resp = await client.post(path, json={**request, "max_tokens": 3, "stream": True})
             assert resp.status == 200  # the headers went out before the step failed

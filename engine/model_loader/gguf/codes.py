@@ -5,11 +5,11 @@ default): each decoder matrix keeps its codes with a scale and a min per group o
   nibbles (items 0-15 low, 16-31 high): d (q - 8) and d q + m are the int4 method's
   (q - 8) x scale + offset with scale d and offset 0 or 8 d + m, exactly.
 - Q8_0: an fp16 d and 32 signed bytes c, w = d c: 8-bit codes q = c + 128 with min -128 d.
-- Q5_0, Q5_1: as Q4 with a fifth bit per weight (4 bytes of high bits): 8-bit codes 0..31,
-  min -16 d or m.
+- Q5_0, Q5_1: as Q4 with a fifth bit per weight (4 bytes of high bits): 5-bit codes, min
+  -16 d or m.
 - Q4_K, Q5_K: super-blocks of 256 weights, an fp16 d and dmin, and per sub-block of 32 a 6-bit
-  scale sc and min mn (12 bytes): w = d sc q - dmin mn, q of 4 (Q4_K) or 5 bits: scale d sc
-  and min -dmin mn per group of 32, the codes kept.
+  scale sc and min mn (12 bytes): w = d sc q - dmin mn, q of 4 (Q4_K) or 5 bits (Q5_K):
+  scale d sc and min -dmin mn per group of 32, the codes kept.
 - Q6_K: super-blocks of 256, 6-bit codes, an fp16 d and a signed 8-bit scale per 16 weights:
   w = d sc (q - 32). Two scales per 32 inputs are more than a group holds, so these weights
   are requantized to 8-bit codes per group of 32 (symmetric, scale max |w| / 127; each error
@@ -142,7 +142,7 @@ def _q6_k(b: torch.Tensor) -> Blocks:
 # (decoder, code bits) per type; Q6_K's codes are made here (see the module docstring).
 _DECODERS: dict[GGMLQuantizationType, tuple[Callable[[torch.Tensor], Blocks], int]] = {
     T.Q4_0: (_q4_0, 4), T.Q4_1: (_q4_1, 4), T.Q4_K: (_q4_k, 4),
-    T.Q8_0: (_q8_0, 8), T.Q5_0: (_q5_0, 8), T.Q5_1: (_q5_1, 8), T.Q5_K: (_q5_k, 8),
+    T.Q8_0: (_q8_0, 8), T.Q5_0: (_q5_0, 5), T.Q5_1: (_q5_1, 5), T.Q5_K: (_q5_k, 5),
     T.Q6_K: (_q6_k, 8),
 }
 CODE_TYPES = tuple(_DECODERS)
@@ -175,8 +175,8 @@ _MATRIX = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 def linear_code_bits(tensors: Iterable[tuple[str, GGMLQuantizationType]],
                      num_layers: int) -> tuple[float, float, float, float] | None:
     """The mean code width (bits a weight, over the layers) of each fused linear (qkv, o,
-    gate_up, down) as kvserve keeps a GGUF file's blocks in place: 8 where any of its matrices
-    has 8-bit codes, else 4. None where a decoder matrix is of a type that loads as floats."""
+    gate_up, down) as kvserve keeps a GGUF file's blocks in place: per layer the widest of its
+    matrices' (4, 5 or 8). None where a decoder matrix is of a type that loads as floats."""
     bits = [[4] * num_layers for _ in range(4)]
     for name, kind in tensors:
         match = _MATRIX.fullmatch(name)
