@@ -11,6 +11,7 @@ path: the ops are a speed-up, never a requirement. `KVSERVE_CPU_OPS=0` turns the
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -82,12 +83,26 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH; install g++)")
     _put_ninja_on_path()
     folder.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    logger.info("Building kvserve's CPU ops into %s (once per torch version and CPU)", folder)
-    cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                       extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                       is_python_module=False, verbose=verbose)
-    logger.info("Built kvserve's CPU ops in %.1f s", time.perf_counter() - started)
+    # torch's tooling marks a build with a `lock` file and waits, forever, while one exists: a
+    # build killed midway (Ctrl-C on a first `kvserve serve`) left every later start hanging.
+    # An OS lock, which dies with its process, serialises kvserve's builds of this key
+    # instead; whoever holds it knows any `lock` file is left over, and removes it.
+    with open(folder / "kvserve.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # another process building this key: wait for it
+        if library.exists():
+            return library
+        leftover = folder / "lock"
+        if leftover.exists():
+            logger.warning("Removing %s, left by a build of kvserve's CPU ops that was "
+                           "interrupted", leftover)
+            leftover.unlink()
+        started = time.perf_counter()
+        logger.info("Building kvserve's CPU ops into %s (once per torch version and CPU)",
+                    folder)
+        cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                           is_python_module=False, verbose=verbose)
+        logger.info("Built kvserve's CPU ops in %.1f s", time.perf_counter() - started)
     return library
 
 
