@@ -22,9 +22,21 @@ class CodeBlockMethod(LinearMethod):
 
     bits = 8
     group_size = 32
-    op = ""
-    pack: Callable[..., Layout]
-    unpack: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+             dtype: torch.dtype) -> Layout:
+        """tiles.pack_u5 or pack_u8."""
+        packer: Callable[..., Layout] = getattr(tiles, f"pack_u{cls.bits}")
+        return packer(codes, scales, mins, dtype)
+
+    @classmethod
+    def unpack(cls, qweight: torch.Tensor, scale_mins: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tiles.unpack_u5 or unpack_u8."""
+        unpacker: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = \
+            getattr(tiles, f"unpack_u{cls.bits}")
+        return unpacker(qweight, scale_mins)
 
     def supports_fused(self, out_features: int, in_features: int) -> bool:
         return self.uses_tiles(out_features, in_features)
@@ -42,8 +54,7 @@ class CodeBlockMethod(LinearMethod):
         (w = q x scale + min), kept in float16."""
         out_features, in_features = codes.shape
         if self.uses_tiles(out_features, in_features):
-            qweight, scale_mins = type(self).pack(codes, scales.float(), mins.float(),
-                                                  torch.float16)
+            qweight, scale_mins = self.pack(codes, scales.float(), mins.float(), torch.float16)
             return {"qweight": qweight, "scale_mins": scale_mins,
                     "layout_tiles": torch.empty(0, dtype=torch.uint8)}
         return {"qweight": codes.to(torch.uint8).contiguous(),
@@ -51,7 +62,7 @@ class CodeBlockMethod(LinearMethod):
 
     def dequantize(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         if "layout_tiles" in tensors:
-            codes, scales, mins = type(self).unpack(tensors["qweight"], tensors["scale_mins"])
+            codes, scales, mins = self.unpack(tensors["qweight"], tensors["scale_mins"])
         else:
             codes = tensors["qweight"]
             scales, mins = tensors["scale_mins"]
@@ -61,7 +72,7 @@ class CodeBlockMethod(LinearMethod):
         return w.reshape(out_features, in_features).to(self.plan.compute_dtype)
 
     def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        kernel = getattr(torch.ops.kvserve_cpu, self.op)
+        kernel = getattr(torch.ops.kvserve_cpu, f"u{self.bits}_linear")
         return kernel(x, tensors["qweight"], tensors["scale_mins"])
 
 
@@ -70,9 +81,6 @@ class U5BlockMethod(CodeBlockMethod):
 
     name = "u5"
     bits = 5
-    op = "u5_linear"
-    pack = staticmethod(tiles.pack_u5)
-    unpack = staticmethod(tiles.unpack_u5)
 
     def create_weights(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         w = self._grouped(weight)
@@ -88,9 +96,6 @@ class U8BlockMethod(CodeBlockMethod):
 
     name = "u8"
     bits = 8
-    op = "u8_linear"
-    pack = staticmethod(tiles.pack_u8)
-    unpack = staticmethod(tiles.unpack_u8)
 
     def create_weights(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         w = self._grouped(weight)

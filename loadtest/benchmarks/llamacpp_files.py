@@ -45,7 +45,7 @@ def table(result: dict[str, Any]) -> str:
     w = result["workload"]
     tests = [f"tg{w['n_gen']}", f"pp{w['n_prompt']}"]
     lines = []
-    for r in result.get("files") or []:
+    for r in result["files"]:
         mib = r["kvserve"].get("weights_mib")
         cells: list[Any] = [r["kind"], f"{r['file_mib']:.1f}", "-" if mib is None else f"{mib:.1f}"]
         for t in tests:
@@ -59,9 +59,15 @@ def table(result: dict[str, Any]) -> str:
                         lines)
 
 
-def types_line(result: dict[str, Any]) -> str:
-    """Which tensor types each copy holds (llama.cpp's choice)."""
-    return "; ".join(f"{r['kind']}: {r['types']}" for r in result.get("files") or [])
+def section(result: dict[str, Any]) -> list[str]:
+    """The paragraph and table of this part ([] for a result stored before it existed)."""
+    if not result.get("files"):
+        return []
+    types = "; ".join(f"{r['kind']}: {r['types']}" for r in result["files"])
+    return ["The same model in other GGUF types, made from the embedded file by llama.cpp's own "
+            "`llama-quantize --allow-requantize` (batch 1 as above, kvserve at `--quantization "
+            "auto`, which keeps each file's blocks in place; informational, the target is on "
+            f"the embedded file). Tensor types: {types}.", table(result)]
 
 
 def _x(value: float | None) -> str:

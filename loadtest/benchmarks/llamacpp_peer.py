@@ -325,11 +325,7 @@ def render(result: dict[str, Any]) -> str:
         f"{w['reps']} runs: pp{w['n_prompt']} = a {w['n_prompt']}-token prompt, "
         f"tg{w['n_gen']} = {w['n_gen']} tokens generated one at a time.",
         batch1_table(result),
-        "The same model in other GGUF types, made from the embedded file by llama.cpp's own "
-        "`llama-quantize --allow-requantize` (batch 1 as above, kvserve at `--quantization "
-        "auto`, which keeps each file's blocks in place; informational, the target is on the "
-        f"embedded file). Tensor types: {llamacpp_files.types_line(result)}.",
-        llamacpp_files.table(result),
+        *llamacpp_files.section(result),
         f"(b) {st['args'][1]} concurrent streams: chat completions, user messages "
         f"{st['input'][0]}..{st['input'][1]} tokens plus the chat template, {st['max_tokens']} "
         "output tokens (EOS ignored), greedy, streamed (SSE), the serving benchmark's seeded "

@@ -6,7 +6,6 @@ served end to end."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -104,7 +103,6 @@ def test_a_file_of_mixed_types_runs_in_place(mixed_file: Path,
 
     from engine import LLM, SamplingParams
     from engine.model_loader.gguf.weights import read_gguf_config
-    from engine.models.cpu_layer import FusedStack
     from engine.quantization import (
         Int4Method,
         QuantizedLinear,
@@ -112,17 +110,9 @@ def test_a_file_of_mixed_types_runs_in_place(mixed_file: Path,
         U8BlockMethod,
         quantized_weight_bytes,
     )
-    from tests.support.greedy import logprob_agreement, tokens_and_logprobs
+    from tests.support.greedy import count_one_call_steps, logprob_agreement, tokens_and_logprobs
 
-    taken: list[bool] = []
-    call = FusedStack.decode_logits
-
-    def counted(self: FusedStack, *args: Any) -> torch.Tensor | None:
-        logits = call(self, *args)
-        taken.append(logits is not None)
-        return logits
-
-    monkeypatch.setattr(FusedStack, "decode_logits", counted)
+    taken = count_one_call_steps(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
     prompts = ["The capital of France is", "Water boils at"]
     in_place = LLM(str(mixed_file), dtype="float32", max_model_len=256, num_threads=2)

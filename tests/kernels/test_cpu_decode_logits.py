@@ -138,21 +138,12 @@ def test_engine_decode_steps_run_in_one_call_with_the_same_results(
     decode steps go through forward_logits, and greedy tokens with logprobs are those of the
     same engine with that call switched off (embedding, layers, norm and head called apart)."""
     from engine import LLM, SamplingParams
-    from engine.models.cpu_layer import FusedStack
     from engine.models.llama import LlamaForCausalLM
-    from tests.support.greedy import tokens_and_logprobs
+    from tests.support.greedy import count_one_call_steps, tokens_and_logprobs
 
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
     prompts = ["The capital of France is", "Water boils at", "One, two, three,"]
-    taken: list[int] = []
-    call = FusedStack.decode_logits
-
-    def counted(self: FusedStack, *args: Any) -> torch.Tensor | None:
-        logits = call(self, *args)
-        taken.append(logits is not None)
-        return logits
-
-    monkeypatch.setattr(FusedStack, "decode_logits", counted)
+    taken = count_one_call_steps(monkeypatch)
     llm = LLM(None, dtype="float32", max_model_len=256, num_threads=2)
     try:
         whole = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))

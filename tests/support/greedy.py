@@ -161,3 +161,20 @@ def hf_logprobs(
         logits = model(torch.tensor([sequence], dtype=torch.long)).logits[0]  # [seq_len, vocab]
         results.append(torch.log_softmax(logits.float(), dim=-1))
     return results
+
+
+def count_one_call_steps(monkeypatch: Any) -> list[bool]:
+    """Records, per call of FusedStack.decode_logits (the one-call decode step), whether it
+    served the step (True) or returned None for the old path."""
+    from engine.models.cpu_layer import FusedStack
+
+    taken: list[bool] = []
+    call = FusedStack.decode_logits
+
+    def counted(self: FusedStack, *args: Any) -> Any:
+        logits = call(self, *args)
+        taken.append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(FusedStack, "decode_logits", counted)
+    return taken
