@@ -285,7 +285,7 @@ def _linear_bytes(method: str, out_features: int, in_features: int, dtype_bytes:
 
 
 def gguf_linear_bytes(out_features: int, in_features: int, bits: float) -> int:
-    """Bytes a GGUF matrix [out, in] takes in place at `bits` a code (4 or 8, or a mean over
+    """Bytes a GGUF matrix [out, in] takes in place at `bits` a code (4, 5 or 8, or a mean over
     layers): its codes and a float16 scale and min per block of 32 inputs."""
     numel = out_features * in_features
     return round(numel * bits / 8) + numel // 32 * 4
@@ -305,7 +305,7 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype,
     the config alone; equal to `resident_weight_bytes` of the loaded model. `compute_dtype` is
     the apply plan's (scales and biases are kept in it; default: `dtype`). An AWQ or GPTQ
     checkpoint counts as int4 at its own group size with its LM head in float; `gguf` by the
-    file's code widths (`cfg.gguf_code_bits`: 4 or 8 bits a weight and a float16 scale and min
+    file's code widths (`cfg.gguf_code_bits`: 4, 5 or 8 bits a weight and a float16 scale and min
     per block of 32) with an int8 head; a file with a decoder matrix in a float type (rare:
     its fused linear loads as floats) is counted as int4 throughout, an estimate.
     `auto` counts as `none` for anything but a quantized checkpoint (what a GPU plan loads)."""

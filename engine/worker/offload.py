@@ -276,7 +276,7 @@ def planned_layer_tensor_bytes(cfg: ModelConfig, method: str, dtype: torch.dtype
             parts = [n * k * b]
         elif method == "int8":
             parts = [n * sb, n * k]
-        elif bits is not None:  # a GGUF file's codes, 4 or 8 bits (mean over the layers)
+        elif bits is not None:  # a GGUF file's codes, 4, 5 or 8 bits (mean over the layers)
             codes = round(n * k * bits / 8)
             parts = [codes, gguf_linear_bytes(n, k, bits) - codes]
         else:

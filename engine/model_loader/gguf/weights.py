@@ -114,8 +114,9 @@ def iter_gguf_weights(path: str | Path, dtype: torch.dtype = torch.float32,
             name = hf_tensor_name(tensor.name)
             raw = read_raw(f, tensor)
             weight = dequantize_raw(raw, tensor.tensor_type, tensor.shape)
+            # the decoder's matrices (the embedding and an untied head go to int8 from floats)
             layer = layer_codes(raw, tensor.tensor_type, tensor.shape) \
-                if codes is not None and name != "lm_head.weight" else None
+                if codes is not None and name.startswith("model.layers.") else None
             if gguf_arch == "llama":
                 weight = _undo_rope_permutation(name, weight, config)
                 if layer is not None:
