@@ -130,10 +130,12 @@ class FusedStack:
                  lm_head: nn.Module) -> None:
         """Hands the model's ends to the C++ stack where it can run them in its decode step:
         an LM head of int8 tiles without bias whose rows are also the embedding (the tied
-        Int8Embedding), a float32 final norm and float32 rotary tables on CPU."""
-        spec = linear_spec(lm_head, torch.float32)
+        Int8Embedding), a float32 or bfloat16 final norm (the layers' dtype: the C++ step
+        checks) and float32 rotary tables on CPU."""
+        spec = linear_spec(lm_head, norm_weight.dtype)
         if (spec is None or spec.kind != INT8_TILES or spec.tensors[2] is not None
-                or norm_weight.dtype != torch.float32 or not norm_weight.is_cpu
+                or norm_weight.dtype not in (torch.float32, torch.bfloat16)
+                or not norm_weight.is_cpu
                 or rotary.cos_table.dtype != torch.float32 or not rotary.cos_table.is_cpu):
             return
         self.stack.set_ends(rotary.cos_table, rotary.sin_table, norm_weight, eps,
@@ -146,7 +148,8 @@ class FusedStack:
         """float32 logits [rows, vocab] of a decode step in which every row samples, from
         token ids in one C++ call (embedding, layers, final norm, LM head in one parallel
         region: at batch 1 on SmolLM2 the four calls around the layers cost ~0.15 ms of a 4 ms
-        token), or None where that step does not take the batch (nothing has run then)."""
+        token; a bfloat16 model's head output widened to float32 as compute_logits does), or
+        None where that step does not take the batch (nothing has run then)."""
         if not self.has_ends or meta.num_seqs != input_ids.shape[0] or \
                 not self.serves(input_ids, meta):
             return None

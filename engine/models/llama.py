@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
                 and cls.compute_logits is LlamaForCausalLM.compute_logits
                 and isinstance(self.embed_tokens, Int8Embedding)
                 and self.embed_tokens.head[0] is self.lm_head
-                and self.embed_tokens.dtype == torch.float32)
+                and self.embed_tokens.dtype == self.norm.weight.dtype)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata

@@ -1,7 +1,7 @@
 // DecoderStack's decode step in one parallel region (team.h): every layer of a pure-decode
 // batch of a few rows whose linears are all kvserve's tiled int4/int8/8-/5-bit ones (kinds 4-7,
-// no bias), float32 activations and a float32 cache. The layer is decoder_layer_'s, on raw
-// buffers:
+// no bias), with float32 activations and cache, or bfloat16 ones (a build with AVX512-BF16,
+// whose decode attention reads a bf16 cache). The layer is decoder_layer_'s, on raw buffers:
 //
 //   each thread, privately:  its own copy of the residual rows, their norms, the SiLU
 //                            products (a few KB: recomputing them on every thread costs less
@@ -49,8 +49,8 @@ struct TeamLinear {
     K = blocks * qgemm::kBlock;
   }
 
-  template <typename S>
-  void run(const float* x, int64_t M, float* y) const {
+  template <typename S, typename T>
+  void run(const T* x, int64_t M, T* y) const {
     const S* sp = static_cast<const S*>(scales);
     const auto* u = static_cast<const uint8_t*>(codes);
     if (kind == 4) {
@@ -65,7 +65,8 @@ struct TeamLinear {
     }
   }
   // y [M, N] = x [M, K] W^T, split over the team (ends at a barrier)
-  void operator()(const float* x, int64_t M, float* y) const {
+  template <typename T>
+  void operator()(const T* x, int64_t M, T* y) const {
     if (scale_type == at::kHalf) run<c10::Half>(x, M, y);
     else if (scale_type == at::kBFloat16) run<c10::BFloat16>(x, M, y);
     else run<float>(x, M, y);
@@ -79,6 +80,7 @@ struct TeamLinear {
 // With the model's ends set (set_ends) and fitting, also the LM head.
 struct TeamPlan {
   int64_t hidden, qkv_n = 0, widest = 0;
+  at::ScalarType dtype;  // the activations', the norms' and the caches'
   std::vector<std::array<TeamLinear, 4>> lin;
   std::optional<TeamLinear> head;
 };
@@ -108,6 +110,19 @@ bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linea
 }  // namespace
 #endif
 
+namespace {
+
+// Whether the team step computes in `dtype`: float32, and bfloat16 where this build's decode
+// attention reads a bf16 cache (AVX512-BF16).
+bool team_dtype(at::ScalarType dtype) {
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) return true;
+#endif
+  return dtype == at::kFloat;
+}
+
+}  // namespace
+
 // The plan of the team step for rows of `hidden`, or null where a layer does not fit it (what
 // does not change from step to step: worked out once per hidden size).
 const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
@@ -115,13 +130,15 @@ const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
   if (team_checked_hidden_ == hidden) return team_plan_.get();
   team_checked_hidden_ = hidden;
   team_plan_.reset();
+  if (layers_.empty() || !team_dtype(layers_[0].norm1.scalar_type())) return nullptr;
   auto plan = std::make_shared<TeamPlan>();
   plan->hidden = hidden;
+  plan->dtype = layers_[0].norm1.scalar_type();
   for (const Layer& l : layers_) {
     const int64_t heads = l.heads[0], kv_heads = l.heads[1], dim = l.heads[2];
     if (l.heads != layers_[0].heads || (dim != 64 && dim != 128 && dim != 256) ||
         l.norm1.numel() != hidden || l.norm2.numel() != hidden ||
-        l.norm1.scalar_type() != at::kFloat || l.norm2.scalar_type() != at::kFloat ||
+        l.norm1.scalar_type() != plan->dtype || l.norm2.scalar_type() != plan->dtype ||
         !l.norm1.is_contiguous() || !l.norm2.is_contiguous()) {
       return nullptr;
     }
@@ -141,7 +158,7 @@ const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
     plan->qkv_n = std::max(plan->qkv_n, plan->lin.back()[0].N);
     plan->widest = std::max(plan->widest, plan->lin.back()[2].N);
   }
-  if (ends_.has_value() && ends_->norm.scalar_type() == at::kFloat &&
+  if (ends_.has_value() && ends_->norm.scalar_type() == plan->dtype &&
       ends_->norm.is_contiguous() && ends_->norm.numel() == hidden &&
       ends_->head_qweight.dim() == 2) {
     const c10::List<std::optional<at::Tensor>> head({ends_->head_qweight, ends_->head_scales,
@@ -150,7 +167,7 @@ const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
       plan->head.emplace(5, ends_->head_qweight, ends_->head_scales);
     }
   }
-  if (!layers_.empty()) team_plan_ = std::move(plan);
+  team_plan_ = std::move(plan);
   return team_plan_.get();
 #else
   (void)hidden;
@@ -162,10 +179,12 @@ bool DecoderStack::serves_team(const at::Tensor& x, const std::vector<at::Tensor
                                const std::vector<at::Tensor>& v_caches,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens) const {
-  if (!team_ || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() != 2 ||
-      x.size(0) < 1 || x.size(0) > kTeamRows || team_plan(x.size(1)) == nullptr) {
+  if (!team_ || !x.is_contiguous() || x.dim() != 2 || x.size(0) < 1 ||
+      x.size(0) > kTeamRows) {
     return false;
   }
+  const TeamPlan* plan = team_plan(x.size(1));
+  if (plan == nullptr || x.scalar_type() != plan->dtype) return false;
   const int64_t rows = x.size(0);
   const at::Tensor &tables = block_tables, &lens = seq_lens;
   if (tables.scalar_type() != at::kInt || tables.dim() != 2 || tables.stride(1) != 1 ||
@@ -177,22 +196,38 @@ bool DecoderStack::serves_team(const at::Tensor& x, const std::vector<at::Tensor
   for (size_t i = 0; i < layers_.size(); ++i) {
     const at::Tensor &k = k_caches[i], &v = v_caches[i];
     const std::vector<int64_t>& heads = layers_[i].heads;
-    if (k.scalar_type() != at::kFloat || v.scalar_type() != at::kFloat || !k.is_contiguous() ||
-        !v.is_contiguous() || k.dim() != 4 || k.sizes() != v.sizes() || k.size(2) != heads[1] ||
-        k.size(3) != heads[2]) {
+    if (k.scalar_type() != plan->dtype || v.scalar_type() != plan->dtype ||
+        !k.is_contiguous() || !v.is_contiguous() || k.dim() != 4 || k.sizes() != v.sizes() ||
+        k.size(2) != heads[1] || k.size(3) != heads[2]) {
       return false;
     }
   }
   return true;
 }
 
-void DecoderStack::forward_team(at::Tensor x, const float* const* cos_rows,
-                                const float* const* sin_rows,
+void DecoderStack::forward_team(at::Tensor x, const void* const* cos_rows,
+                                const void* const* sin_rows,
                                 const std::vector<at::Tensor>& k_caches,
                                 const std::vector<at::Tensor>& v_caches,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, int64_t sliding_window,
-                                float* logits) {
+                                void* logits) {
+  if (x.scalar_type() == at::kBFloat16) {
+    team_step<c10::BFloat16>(x, cos_rows, sin_rows, k_caches, v_caches, slot_mapping,
+                             block_tables, seq_lens, sliding_window, logits);
+  } else {
+    team_step<float>(x, cos_rows, sin_rows, k_caches, v_caches, slot_mapping, block_tables,
+                     seq_lens, sliding_window, logits);
+  }
+}
+
+template <typename T>
+void DecoderStack::team_step(at::Tensor x, const void* const* cos_rows,
+                             const void* const* sin_rows,
+                             const std::vector<at::Tensor>& k_caches,
+                             const std::vector<at::Tensor>& v_caches,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, int64_t sliding_window, void* logits) {
 #ifdef KVSERVE_INT8_DOT
   const int64_t rows = x.size(0), hidden = x.size(1);
   const TeamPlan* plan = team_plan(hidden);  // serves_team saw it
@@ -210,22 +245,22 @@ void DecoderStack::forward_team(at::Tensor x, const float* const* cos_rows,
   const at::Tensor q = qkv.narrow(1, 0, heads * dim).view({rows, heads, dim});
   const at::Tensor slots_c = slot_mapping.contiguous();
   const int64_t* slots = slots_c.data_ptr<int64_t>();
-  float *qkv_p = qkv.data_ptr<float>(), *attn_p = attn.data_ptr<float>();
-  float *o_p = o.data_ptr<float>(), *gu_p = gate_up.data_ptr<float>();
-  float *down_p = down.data_ptr<float>(), *x_p = x.data_ptr<float>();
+  T *qkv_p = qkv.data_ptr<T>(), *attn_p = attn.data_ptr<T>();
+  T *o_p = o.data_ptr<T>(), *gu_p = gate_up.data_ptr<T>();
+  T *down_p = down.data_ptr<T>(), *x_p = x.data_ptr<T>();
   Team team;
   ++team_steps_;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     const TeamMember member(&team);
-    thread_local std::vector<float> own;  // residual [rows, hidden], h [rows, hidden], act
+    thread_local std::vector<T> own;  // residual [rows, hidden], h [rows, hidden], act
     own.resize(2 * rows * hidden + rows * widest / 2);
-    float *xr = own.data(), *h = xr + rows * hidden, *act = h + rows * hidden;
-    std::memcpy(xr, x_p, sizeof(float) * rows * hidden);
+    T *xr = own.data(), *h = xr + rows * hidden, *act = h + rows * hidden;
+    std::memcpy(xr, x_p, sizeof(T) * rows * hidden);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const auto& L = lin[i];
-      const float *n1 = l.norm1.data_ptr<float>(), *n2 = l.norm2.data_ptr<float>();
+      const T *n1 = l.norm1.data_ptr<T>(), *n2 = l.norm2.data_ptr<T>();
       const int64_t kv = kv_heads * dim, inter = L[2].N / 2;
       for (int64_t r = 0; r < rows; ++r) {
         norm_row(xr + r * hidden, n1, h + r * hidden, hidden, static_cast<float>(l.eps));
@@ -233,43 +268,49 @@ void DecoderStack::forward_team(at::Tensor x, const float* const* cos_rows,
       L[0](h, rows, qkv_p);
       if (omp_get_thread_num() == 0) {
         for (int64_t r = 0; r < rows; ++r) {
-          float* row = qkv_p + r * qkv_n;
+          T* row = qkv_p + r * qkv_n;
+          const T* c = static_cast<const T*>(cos_rows[r]);
+          const T* s = static_cast<const T*>(sin_rows[r]);
           for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
-            rope_row(row + hd * dim, cos_rows[r], sin_rows[r], dim / 2);
+            rope_row(row + hd * dim, c, s, dim / 2);
           }
           if (slots[r] < 0) continue;
-          float* kc = k_caches[i].data_ptr<float>() + slots[r] * kv;
-          float* vc = v_caches[i].data_ptr<float>() + slots[r] * kv;
-          std::memcpy(kc, row + heads * dim, sizeof(float) * kv);
-          std::memcpy(vc, row + heads * dim + kv, sizeof(float) * kv);
+          T* kc = k_caches[i].data_ptr<T>() + slots[r] * kv;
+          T* vc = v_caches[i].data_ptr<T>() + slots[r] * kv;
+          std::memcpy(kc, row + heads * dim, sizeof(T) * kv);
+          std::memcpy(vc, row + heads * dim + kv, sizeof(T) * kv);
         }
       }
 #pragma omp barrier
       decode_attention_avx512(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens,
                               l.scale * l.k_scale, sliding_window, l.v_scale);
       L[1](attn_p, rows, o_p);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* xrow = xr + r * hidden;
-        const float* orow = o_p + r * hidden;
-        for (int64_t c = 0; c < hidden; ++c) xrow[c] += orow[c];
+      for (int64_t r = 0; r < rows; ++r) {  // x += o (rounded as torch's add), h = norm(x)
+        T* xrow = xr + r * hidden;
+        const T* orow = o_p + r * hidden;
+        for (int64_t c = 0; c < hidden; ++c) {
+          xrow[c] = from_f<T>(to_f(xrow[c]) + to_f(orow[c]));
+        }
         norm_row(xrow, n2, h + r * hidden, hidden, static_cast<float>(l.eps));
       }
       L[2](h, rows, gu_p);
       for (int64_t r = 0; r < rows; ++r) {
-        const float* g = gu_p + r * L[2].N;
+        const T* g = gu_p + r * L[2].N;
         silu_mul_row(g, g + inter, act + r * inter, inter);
       }
       L[3](act, rows, down_p);
-      for (int64_t c = 0; c < rows * hidden; ++c) xr[c] += down_p[c];
+      for (int64_t c = 0; c < rows * hidden; ++c) {
+        xr[c] = from_f<T>(to_f(xr[c]) + to_f(down_p[c]));
+      }
     }
     if (logits != nullptr) {  // the final norm (each thread its own copy) and the LM head
-      const float* n = ends_->norm.data_ptr<float>();
+      const T* n = ends_->norm.data_ptr<T>();
       for (int64_t r = 0; r < rows; ++r) {
         norm_row(xr + r * hidden, n, h + r * hidden, hidden, static_cast<float>(ends_->eps));
       }
-      (*plan->head)(h, rows, logits);
+      (*plan->head)(h, rows, static_cast<T*>(logits));
     } else if (omp_get_thread_num() == 0) {
-      std::memcpy(x_p, xr, sizeof(float) * rows * hidden);
+      std::memcpy(x_p, xr, sizeof(T) * rows * hidden);
     }
   }
 #else
@@ -295,10 +336,11 @@ std::optional<at::Tensor> DecoderStack::forward_logits(
   return std::nullopt;  // no team step in this build
 #else
   if (!ends_.has_value() || layers_.empty() || ids.dim() != 1 || ids.size(0) < 1 ||
-      ids.size(0) > kTeamRows) {
+      ids.size(0) > kTeamRows || !team_dtype(layers_[0].norm1.scalar_type())) {
     return std::nullopt;
   }
   const Ends& e = ends_.value();
+  const at::ScalarType dtype = layers_[0].norm1.scalar_type();
   const int64_t rows = ids.size(0), dim = layers_[0].heads[2];
   const at::Tensor& ct = e.cos_table;
   const at::Tensor& st = e.sin_table;
@@ -309,7 +351,7 @@ std::optional<at::Tensor> DecoderStack::forward_logits(
     return std::nullopt;
   }
   // The embedding as LlamaForCausalLM's Int8Embedding computes it (the ids are checked there).
-  at::Tensor x = q8_embedding(ids, e.head_qweight, e.head_scales, at::kFloat);
+  at::Tensor x = q8_embedding(ids, e.head_qweight, e.head_scales, dtype);
   if (!serves_team(x, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
     return std::nullopt;
   }
@@ -317,17 +359,24 @@ std::optional<at::Tensor> DecoderStack::forward_logits(
   if (!plan->head.has_value()) return std::nullopt;
   const at::Tensor pos = positions.contiguous();
   const int64_t* p = pos.data_ptr<int64_t>();
-  std::array<const float*, kTeamRows> cos_rows{}, sin_rows{};
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(p[r] >= 0 && p[r] < ct.size(0), "DecoderStack.forward_logits: position ", p[r],
                 " is past the rotary table's ", ct.size(0), " positions");
-    cos_rows[r] = ct.data_ptr<float>() + p[r] * dim;
-    sin_rows[r] = st.data_ptr<float>() + p[r] * dim;
+  }
+  // Each row's angles in the model's dtype, as RotaryEmbedding.cos_sin rounds them.
+  const at::Tensor cos = ct.index_select(0, pos).to(dtype);
+  const at::Tensor sin = st.index_select(0, pos).to(dtype);
+  const int64_t row_bytes = dim * cos.element_size();
+  std::array<const void*, kTeamRows> cos_rows{}, sin_rows{};
+  for (int64_t r = 0; r < rows; ++r) {
+    cos_rows[r] = static_cast<const char*>(cos.data_ptr()) + r * row_bytes;
+    sin_rows[r] = static_cast<const char*>(sin.data_ptr()) + r * row_bytes;
   }
   at::Tensor logits = at::empty({rows, plan->head->N}, x.options());
   forward_team(x, cos_rows.data(), sin_rows.data(), k_caches, v_caches, slot_mapping,
-               block_tables, seq_lens, sliding_window, logits.data_ptr<float>());
-  return logits;
+               block_tables, seq_lens, sliding_window, logits.data_ptr());
+  // compute_logits widens the head's output to float32
+  return dtype == at::kFloat ? logits : logits.to(at::kFloat);
 #endif
 }
 

@@ -156,15 +156,18 @@ void DecoderStack::forward(at::Tensor x, const at::Tensor& cos, const at::Tensor
   if (!query_start_loc.has_value() &&
       serves_team(x, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
     const int64_t rows = x.size(0);  // at most a few, as serves_team saw
-    const bool rope_fits = cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                           cos.size(0) == rows && sin.size(0) == rows && cos.stride(-1) == 1 &&
-                           sin.stride(-1) == 1 && cos.size(-1) == layers_[0].heads[2] &&
+    const bool rope_fits = cos.scalar_type() == x.scalar_type() &&
+                           sin.scalar_type() == x.scalar_type() && cos.size(0) == rows &&
+                           sin.size(0) == rows && cos.stride(-1) == 1 && sin.stride(-1) == 1 &&
+                           cos.size(-1) == layers_[0].heads[2] &&
                            sin.size(-1) == layers_[0].heads[2];
-    if (rope_fits) {  // each row's angles
-      std::vector<const float*> cos_rows, sin_rows;
+    if (rope_fits) {  // each row's angles, in x's dtype
+      const auto* c = static_cast<const char*>(cos.data_ptr());
+      const auto* s = static_cast<const char*>(sin.data_ptr());
+      std::vector<const void*> cos_rows, sin_rows;
       for (int64_t r = 0; r < rows; ++r) {
-        cos_rows.push_back(cos.data_ptr<float>() + r * cos.stride(0));
-        sin_rows.push_back(sin.data_ptr<float>() + r * sin.stride(0));
+        cos_rows.push_back(c + r * cos.stride(0) * cos.element_size());
+        sin_rows.push_back(s + r * sin.stride(0) * sin.element_size());
       }
       return forward_team(x, cos_rows.data(), sin_rows.data(), k_caches, v_caches,
                           slot_mapping, block_tables, seq_lens, sliding_window, nullptr);

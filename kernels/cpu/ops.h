@@ -102,11 +102,17 @@ class DecoderStack : public torch::CustomClassHolder {
                    const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
   // The team step on x; each row's rotary angles from cos_rows/sin_rows; with `logits` also
   // the final norm and the LM head into it (x then keeps its input).
-  void forward_team(at::Tensor x, const float* const* cos_rows, const float* const* sin_rows,
+  // cos_rows/sin_rows and logits are in x's dtype (float32 or bfloat16: team_step's T).
+  void forward_team(at::Tensor x, const void* const* cos_rows, const void* const* sin_rows,
                     const std::vector<at::Tensor>& k_caches,
                     const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    int64_t sliding_window, float* logits);
+                    int64_t sliding_window, void* logits);
+  template <typename T>
+  void team_step(at::Tensor x, const void* const* cos_rows, const void* const* sin_rows,
+                 const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, int64_t sliding_window, void* logits);
 
   struct Ends {
     at::Tensor cos_table, sin_table, norm;

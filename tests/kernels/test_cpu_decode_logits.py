@@ -1,8 +1,9 @@
 """DecoderStack.forward_logits (kernels/cpu/decode_team.cpp): a decode step from token ids to
 logits in one parallel region (the tied int8 embedding, every layer, the final norm, the LM
 head) against the same step op by op: q8_embedding, forward without the team, rms_norm,
-q8_linear. The logits and every cache must be equal bit for bit; what the step does not take
-returns None having changed nothing; bad ids or positions get an error."""
+q8_linear. The logits and every cache must be equal bit for bit, in float32 and bfloat16 (a
+bfloat16 head's output widened to float32, as compute_logits widens it); what the step does not
+take returns None having changed nothing; bad ids or positions get an error."""
 
 from __future__ import annotations
 
@@ -11,8 +12,17 @@ from typing import Any
 import pytest
 import torch
 
+from engine.cpu_features import read_cpu_flags
 from engine.quantization import tiles
-from tests.kernels.test_cpu_decode_team import BLOCK, DIM, HIDDEN, KV_HEADS, OPS, make_stack
+from tests.kernels.test_cpu_decode_team import (
+    BLOCK,
+    DIM,
+    DTYPES,
+    HIDDEN,
+    KV_HEADS,
+    OPS,
+    make_stack,
+)
 
 pytestmark = pytest.mark.skipif(OPS is None or not OPS.int8_dot_available(),
                                 reason="the team step needs the CPU ops with AVX512-VNNI")
@@ -20,15 +30,16 @@ pytestmark = pytest.mark.skipif(OPS is None or not OPS.int8_dot_available(),
 VOCAB, MAX_POS, EPS = 336, 2048, 1e-5
 
 
-def ends(gen: torch.Generator) -> dict[str, Any]:
+def ends(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     codes = torch.randint(-127, 128, (VOCAB, HIDDEN), generator=gen, dtype=torch.int8)
     angle = torch.arange(MAX_POS).view(-1, 1).float() * torch.rand(1, DIM // 2, generator=gen)
     return {"cos": angle.cos().repeat(1, 2), "sin": angle.sin().repeat(1, 2),
-            "norm": 1 + 0.1 * torch.randn(HIDDEN, generator=gen),
+            "norm": (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype),
             "qweight": tiles.pack_int8(codes), "scales": torch.rand(VOCAB, generator=gen) * 0.01}
 
 
-def inputs(layers: int, contexts: list[int], seed: int) -> dict[str, Any]:
+def inputs(layers: int, contexts: list[int], seed: int, dtype: torch.dtype = torch.float32
+           ) -> dict[str, Any]:
     """Token ids, positions and fresh random caches for rows at positions contexts[i] - 1."""
     gen = torch.Generator().manual_seed(seed)
     rows, per_seq = len(contexts), -(-max(contexts) // BLOCK)
@@ -38,20 +49,24 @@ def inputs(layers: int, contexts: list[int], seed: int) -> dict[str, Any]:
     pos = lens.long() - 1
     return {
         "ids": torch.randint(0, VOCAB, (rows,), generator=gen), "pos": pos,
-        "k": [torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(layers)],
-        "v": [torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(layers)],
+        "k": [torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
+              for _ in range(layers)],
+        "v": [torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
+              for _ in range(layers)],
         "slots": tables.long().gather(1, (pos // BLOCK).view(-1, 1)).view(-1) * BLOCK
         + pos % BLOCK, "tables": tables, "lens": lens}
 
 
 def by_ops(stack: Any, e: dict[str, Any], i: dict[str, Any], window: int) -> torch.Tensor:
     """The same step through the separate ops (LlamaForCausalLM's forward + compute_logits)."""
-    x = OPS.q8_embedding(i["ids"], e["qweight"], e["scales"], torch.float32)
-    cos, sin = e["cos"][i["pos"]].unsqueeze(1), e["sin"][i["pos"]].unsqueeze(1)
+    dtype = e["norm"].dtype
+    x = OPS.q8_embedding(i["ids"], e["qweight"], e["scales"], dtype)
+    cos = e["cos"][i["pos"]].unsqueeze(1).to(dtype)
+    sin = e["sin"][i["pos"]].unsqueeze(1).to(dtype)
     stack.set_team(False)
     stack.forward(x, cos, sin, i["k"], i["v"], i["slots"], i["tables"], i["lens"], window, None)
     stack.set_team(True)
-    return OPS.q8_linear(OPS.rms_norm(x, e["norm"], EPS), e["qweight"], e["scales"])
+    return OPS.q8_linear(OPS.rms_norm(x, e["norm"], EPS), e["qweight"], e["scales"]).float()
 
 
 def in_one(stack: Any, i: dict[str, Any], window: int) -> torch.Tensor | None:
@@ -61,11 +76,12 @@ def in_one(stack: Any, i: dict[str, Any], window: int) -> torch.Tensor | None:
 
 
 def with_ends(kinds: list[int], e: dict[str, Any], layers: int = 3) -> Any:
-    stack = make_stack(layers, kinds, torch.Generator().manual_seed(7))
+    stack = make_stack(layers, kinds, torch.Generator().manual_seed(7), e["norm"].dtype)
     stack.set_ends(e["cos"], e["sin"], e["norm"], EPS, e["qweight"], e["scales"])
     return stack
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("contexts, window, kinds", [
     ([37], 0, [4, 4, 4, 4]),
@@ -74,13 +90,13 @@ def with_ends(kinds: list[int], e: dict[str, Any], layers: int = 3) -> Any:
     ([20] * 8, 0, [5, 5, 5, 5]),
 ])
 def test_logits_in_one_region_equal_the_ops(contexts: list[int], window: int, kinds: list[int],
-                                            threads: int) -> None:
+                                            threads: int, dtype: torch.dtype) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        e = ends(torch.Generator().manual_seed(5))
+        e = ends(torch.Generator().manual_seed(5), dtype)
         stack = with_ends(kinds, e)
-        ops_in, one_in = inputs(3, contexts, 11), inputs(3, contexts, 11)
+        ops_in, one_in = inputs(3, contexts, 11, dtype), inputs(3, contexts, 11, dtype)
         expected = by_ops(stack, e, ops_in, window)
         got = in_one(stack, one_in, window)
         assert stack.team_steps() == 1
@@ -132,11 +148,15 @@ def test_bad_ids_or_positions_raise(field: str, value: int, match: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_decode_steps_run_in_one_call_with_the_same_results(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The embedded SmolLM2 GGUF in float32 (Q4 layers in place, the tied int8 head): its
-    decode steps go through forward_logits, and greedy tokens with logprobs are those of the
-    same engine with that call switched off (embedding, layers, norm and head called apart)."""
+        monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """The embedded SmolLM2 GGUF in float32 and bfloat16 (Q4 layers in place, the tied int8
+    head): its decode steps go through forward_logits, and greedy tokens with logprobs are those
+    of the same engine with that call switched off (embedding, layers, norm and head called
+    apart). bfloat16 where the build's decode attention reads a bf16 cache (AVX512-BF16)."""
+    if dtype == "bfloat16" and "avx512_bf16" not in read_cpu_flags():
+        pytest.skip("bf16 team steps need AVX512-BF16")
     from engine import LLM, SamplingParams
     from engine.models.llama import LlamaForCausalLM
     from tests.support.greedy import count_one_call_steps, tokens_and_logprobs
@@ -144,7 +164,7 @@ def test_engine_decode_steps_run_in_one_call_with_the_same_results(
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
     prompts = ["The capital of France is", "Water boils at", "One, two, three,"]
     taken = count_one_call_steps(monkeypatch)
-    llm = LLM(None, dtype="float32", max_model_len=256, num_threads=2)
+    llm = LLM(None, dtype=dtype, max_model_len=256, num_threads=2)
     try:
         whole = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         assert sum(taken) >= 15  # every decode step of the batch of three
