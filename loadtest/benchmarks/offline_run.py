@@ -143,7 +143,9 @@ def run_kvserve(cfg: BenchConfig, dtype: str, prompts: list[list[int]] | None,
     llm = kvserve_engine(dtype, cfg.threads)
     wait = cfg.wait_quiet
     runner = llm.engine.runner
-    result: dict[str, Any] = {"dtype": dtype, "weight_bytes": runner.weight_bytes(),
+    # the dtype `auto` resolved to
+    result: dict[str, Any] = {"dtype": str(runner.dtype).removeprefix("torch."),
+                              "weight_bytes": runner.weight_bytes(),
                               "arithmetic": engine_arithmetic(llm),
                               "kv_element_bytes": runner.kv_cache_dtype().itemsize}
     if prompts is not None:
