@@ -47,7 +47,6 @@ test-fast: setup
 # first use) so its extras stay out of kvserve's. The llama.cpp peer (llamacpp) is fetched and
 # built once into build/peers/llamacpp (2 jobs, nice 19; rebuilt only when its flags change).
 bench: setup
-	$(if $(or $(filter serving,$(ONLY)),$(if $(ONLY),,all)),test -x .venv-bench/bin/transformers || $(PY) -m loadtest.benchmarks.serving --setup-peer)
 	$(if $(or $(filter llamacpp,$(ONLY)),$(if $(ONLY),,all)),$(PY) -m loadtest.benchmarks.llamacpp --setup-peer)
 	$(PY) -m loadtest.benchmarks $(if $(ONLY),--only $(ONLY))
 

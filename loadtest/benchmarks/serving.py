@@ -85,7 +85,11 @@ def judge(report: dict[str, Any], plots: list[str]) -> dict[str, Any]:
 
 
 def run(ctx: SuiteContext) -> dict[str, Any]:
-    """Both servers at every level (tiny levels with --quick), plots into ctx.plot_dir."""
+    """Both servers at every level (tiny levels with --quick), plots into ctx.plot_dir. A full
+    run first builds the peer's venv where it is missing (as the llama.cpp section builds
+    llama.cpp): without it the peer's levels were reported as not measured."""
+    if not ctx.quick:
+        setup_peer_venv()
     args = [*(QUICK_ARGS if ctx.quick else FULL_ARGS), "--server-threads", str(ctx.threads)]
     report = measure(parse_args(args), args)
     return judge(report, _plots(report, ctx))

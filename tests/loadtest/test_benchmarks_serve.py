@@ -148,3 +148,21 @@ def test_chunked_prefill_quick_run_on_a_tiny_model(tiny_llama_dir: Path, tmp_pat
         assert row["ttft_ms"] > 0 and row["itl_max_ms"] >= row["itl_p99_ms"] > 0
         assert row["p99_over_p50"] >= 1.0
     assert "**Target:**" in chunked_prefill.render(result)
+
+
+def test_a_full_serving_run_builds_the_peer_venv_first(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """`--only serving` on a fresh checkout: the suite builds .venv-bench before measuring
+    (it used to report the peer as not measured); a quick run never installs anything."""
+    from loadtest.benchmarks import serving
+
+    calls: list[str] = []
+    monkeypatch.setattr(serving, "setup_peer_venv", lambda: calls.append("setup"))
+    monkeypatch.setattr(serving, "measure", lambda *a: calls.append("measure") or {})
+    monkeypatch.setattr(serving, "_plots", lambda *a: [])
+    monkeypatch.setattr(serving, "judge", lambda report, plots: {"report": report})
+    serving.run(SuiteContext(threads=1, quick=False, log_dir=tmp_path, plot_dir=tmp_path))
+    assert calls == ["setup", "measure"]
+    calls.clear()
+    serving.run(SuiteContext(threads=1, quick=True, log_dir=tmp_path, plot_dir=tmp_path))
+    assert calls == ["measure"]
