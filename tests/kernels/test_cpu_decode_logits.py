@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from engine.cpu_features import read_cpu_flags
 from engine.quantization import tiles
 from tests.kernels.test_cpu_decode_team import (
     BLOCK,
@@ -148,15 +147,13 @@ def test_bad_ids_or_positions_raise(field: str, value: int, match: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_engine_decode_steps_run_in_one_call_with_the_same_results(
-        monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """The embedded SmolLM2 GGUF in float32 and bfloat16 (Q4 layers in place, the tied int8
     head): its decode steps go through forward_logits, and greedy tokens with logprobs are those
     of the same engine with that call switched off (embedding, layers, norm and head called
     apart). bfloat16 where the build's decode attention reads a bf16 cache (AVX512-BF16)."""
-    if dtype == "bfloat16" and "avx512_bf16" not in read_cpu_flags():
-        pytest.skip("bf16 team steps need AVX512-BF16")
     from engine import LLM, SamplingParams
     from engine.models.llama import LlamaForCausalLM
     from tests.support.greedy import count_one_call_steps, tokens_and_logprobs
@@ -164,7 +161,7 @@ def test_engine_decode_steps_run_in_one_call_with_the_same_results(
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5, ignore_eos=True)
     prompts = ["The capital of France is", "Water boils at", "One, two, three,"]
     taken = count_one_call_steps(monkeypatch)
-    llm = LLM(None, dtype=dtype, max_model_len=256, num_threads=2)
+    llm = LLM(None, dtype=str(dtype).removeprefix("torch."), max_model_len=256, num_threads=2)
     try:
         whole = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         assert sum(taken) >= 15  # every decode step of the batch of three
