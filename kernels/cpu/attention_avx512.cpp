@@ -79,32 +79,24 @@ struct Lanes<c10::BFloat16> {
 template <int C>
 constexpr int kHeadsPerPass = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
 
-// Blocks ahead whose rows a lead head asks for (for_each_run_ahead). From a cold cache (64
-// sequences at context 150, 30 layers, 2 threads) asking 1 to 8 blocks ahead took 33.5-34.5 ms
-// against 39-41 ms without; the distance made no difference past noise. Measured again
-// 2026-12-03 (AMD EPYC Zen 4, 2 threads, bf16 cache, 64 sequences at context 48, 30 layers'
-// caches 71 MB, blocks in random order): 7.5-8.5 ms a step from memory against 2.5 ms with the
-// caches in L3, i.e. ~10 GB/s of the ~22 GB/s a plain read got then. Asking for the next item's
-// whole context instead of its first two blocks, for two items ahead, or 4 blocks ahead moved
-// it by under 5% (interleaved in one process: noise), and 2 MiB pages by nothing measurable.
+// Blocks ahead whose rows a lead head asks for (for_each_run_ahead): only the first item of a
+// thread's run, or items that read part of a row; the rest find their rows asked for already
+// (RowStream, below). From a cold cache (64 sequences at context 150, 30 layers, 2 threads)
+// asking 1 to 8 blocks ahead took 33.5-34.5 ms against 39-41 ms without.
+//
+// Measured 2026-12-03 (AMD EPYC Zen 4, 2 threads, bf16 cache, 64 sequences at context 64, 30
+// layers' caches): 6.9-8.9 ms a step from memory against 2.6-3.7 ms with the caches in L3,
+// ~10 GB/s of the 20-30 GB/s a plain read gets. Asking for the next item's whole context at
+// once, two items ahead, or more blocks ahead moved it by under 5%: a burst of prefetches
+// fills the miss buffers and stalls the dot products. Asking for the next item's rows a few
+// lines per inner-loop turn instead (RowStream) took it to 5.0 ms, and the engine's 64-row
+// decode step (context 64 to 184) from 44.6 to 40.2 ms (median of 120 steps, interleaved in
+// one process). Warming the next layer's rows during the MLP's matmuls gained nothing.
 constexpr int64_t kAheadBlocks = 2;
 
 template <typename T>
 int64_t block_bytes(const Call<T>& c, int64_t dim) {
   return c.block_size * c.kv_heads * dim * static_cast<int64_t>(sizeof(T));
-}
-
-// Asks for the first two blocks of sequence s's K and V rows (the next item's, while this one
-// runs).
-template <typename T>
-void prefetch_start(const Call<T>& c, int64_t s, int64_t dim) {
-  const int64_t ctx = c.lens[s];
-  if (ctx <= 0) return;
-  const int64_t first = (c.window > 0 ? std::max<int64_t>(0, ctx - c.window) : 0) / c.block_size;
-  for (int64_t b = first; b <= std::min((ctx - 1) / c.block_size, first + 1); ++b) {
-    prefetch_block(reinterpret_cast<const char*>(c.k), reinterpret_cast<const char*>(c.v),
-                   c.tables[s * c.bt_s0 + b], block_bytes(c, dim));
-  }
 }
 
 // The sum of a's 16 lanes in the order GCC's _mm512_reduce_add_ps adds them (lane i with
@@ -144,12 +136,11 @@ inline __m512 sum16(const __m512 (&a)[16]) {
 // One sequence's KV head g: scores of its query heads h0..h0+nh (rows of `scores`, n each).
 // Sixteen consecutive keys of a block at a time, one query head at a time, their dot products
 // reduced together (sum16); the keys left over one by one, all heads of a pass per K row.
-// A lead head (`ahead`: the item's first, its item holding every KV head of the rows) asks, as
-// its scores walk the keys, for the K and V rows ahead of them, whole rows, which its values
-// and the item's other heads then find in L2.
+// A lead head (`ahead`, kAheadBlocks) asks for the whole K and V rows ahead of its keys; `next`
+// (RowStream) is pumped once per 16-key group.
 template <int C, typename T>
 void head_scores(const Call<T>& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
-                 float* scores, int64_t n, bool ahead) {
+                 float* scores, int64_t n, bool ahead, RowStream* next = nullptr) {
   constexpr int H = kHeadsPerPass<C>;
   const int64_t dim = 32 * C, h_base = g * c.group, row = c.kv_heads * dim;
   const __m512 scale = _mm512_set1_ps(c.scale);
@@ -168,6 +159,7 @@ void head_scores(const Call<T>& c, int64_t s, int64_t g, int64_t first, int64_t 
       const T* kr = c.k + (slot * c.kv_heads + g) * dim;
       int64_t r0 = 0;
       for (; r0 + 16 <= count; r0 += 16) {
+        if (next != nullptr) next->pump();
         for (int i = 0; i < H; ++i) {
           if (i >= nh) break;
           __m512 dots[16];
@@ -201,7 +193,7 @@ void head_scores(const Call<T>& c, int64_t s, int64_t g, int64_t first, int64_t 
 template <int C, typename T>
 void head_values(const Call<T>& c, int64_t s, int64_t g, int64_t first, int64_t ctx,
                  const float* weights, const float* sums, int64_t n, float* raw = nullptr,
-                 int64_t raw_stride = 0) {
+                 int64_t raw_stride = 0, RowStream* next = nullptr) {
   constexpr int H = kHeadsPerPass<C>;
   const int64_t dim = 32 * C, h_base = g * c.group;
   for (int64_t h0 = 0; h0 < c.group; h0 += H) {
@@ -211,6 +203,7 @@ void head_values(const Call<T>& c, int64_t s, int64_t g, int64_t first, int64_t 
       for (int j = 0; j < 2 * C; ++j) acc[i][j] = _mm512_setzero_ps();
     for_each_slot(c.tables + s * c.bt_s0, c.block_size, first, ctx, [&](int64_t p, int64_t slot) {
       const T* vr = c.v + (slot * c.kv_heads + g) * dim;
+      if (next != nullptr) next->pump();
       __m512 w[H];
       for (int i = 0; i < H; ++i) w[i] = _mm512_set1_ps(i < nh ? weights[(h0 + i) * n + p] : 0.0f);
       for (int j = 0; j < 2 * C; ++j) {
@@ -323,6 +316,7 @@ void run(const Call<T>& c, int64_t num_seqs) {
     // each thread's scores kept from call to call: no allocation per thread and layer
     thread_local std::vector<float> scores, sums;
     sums.resize(c.group);
+    RowStream stream;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / split.chunks, g0 = (item % split.chunks) * split.per_chunk;
       const int64_t g1 = std::min(c.kv_heads, g0 + split.per_chunk);
@@ -330,12 +324,24 @@ void run(const Call<T>& c, int64_t num_seqs) {
       const int64_t first = c.window > 0 ? std::max<int64_t>(0, ctx - c.window) : 0;
       const int64_t n = ctx - first;
       scores.resize(c.group * std::max<int64_t>(n, 1));
-      if (split.per_chunk == c.kv_heads && item + 1 < end) prefetch_start(c, s + 1, 32 * C);
+      const bool whole = split.per_chunk == c.kv_heads;  // the item reads whole rows
+      RowStream* next = nullptr;
+      if (whole && item + 1 < end) {
+        const int64_t ns = s + 1, nctx = c.lens[ns];
+        const int64_t nfirst = c.window > 0 ? std::max<int64_t>(0, nctx - c.window) : 0;
+        // pumps: per KV head and pass of kHeadsPerPass query heads, one per 16-key group and
+        // one per value row
+        const int64_t passes = (c.group + kHeadsPerPass<C> - 1) / kHeadsPerPass<C>;
+        stream.aim(reinterpret_cast<const char*>(c.k), reinterpret_cast<const char*>(c.v),
+                   c.tables + ns * c.bt_s0, c.block_size, nfirst, nctx, block_bytes(c, 32 * C),
+                   (g1 - g0) * passes * (n / 16 + n));
+        next = &stream;
+      }
       for (int64_t g = g0; g < g1; ++g) {
-        const bool ahead = g == g0 && split.per_chunk == c.kv_heads;
-        head_scores<C, T>(c, s, g, first, ctx, scores.data(), n, ahead);
+        const bool ahead = g == g0 && whole && item == begin;
+        head_scores<C, T>(c, s, g, first, ctx, scores.data(), n, ahead, next);
         softmax_numerators(scores.data(), c.group, n, sums.data());
-        head_values<C, T>(c, s, g, first, ctx, scores.data(), sums.data(), n);
+        head_values<C, T>(c, s, g, first, ctx, scores.data(), sums.data(), n, nullptr, 0, next);
       }
     }
   });

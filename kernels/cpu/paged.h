@@ -85,6 +85,42 @@ inline void for_each_run_ahead(const int32_t* table_row, int64_t block_size, int
   });
 }
 
+// The cache rows (K and V) of the next work item's sequence, asked for a few lines at a time
+// while this item computes (`pump` from its inner loops), so that memory works while the
+// dot products do; asking for a whole block at once filled the miss buffers and stalled them.
+struct RowStream {
+  const char *k = nullptr, *v = nullptr;
+  const int32_t* table = nullptr;
+  int64_t block_bytes = 0, block = 0, end = 0, offset = 0, per_pump = 0;
+
+  // The blocks of [first, ctx) of the sequence whose table row is `table_row`, spread over
+  // `pumps` calls of pump.
+  void aim(const char* k_, const char* v_, const int32_t* table_row, int64_t block_size,
+           int64_t first, int64_t ctx, int64_t block_bytes_, int64_t pumps) {
+    k = k_;
+    v = v_;
+    table = table_row;
+    block_bytes = block_bytes_;
+    block = first / block_size;
+    end = ctx > first ? (ctx - 1) / block_size + 1 : block;
+    offset = 0;
+    const int64_t lines = (end - block) * (block_bytes / 64);
+    per_pump = pumps > 0 ? (lines + pumps - 1) / pumps : lines;
+  }
+  void pump() {
+    for (int64_t i = 0; i < per_pump && block < end; ++i) {
+      const int64_t at = table[block] * block_bytes + offset;
+      __builtin_prefetch(k + at, 0, 2);
+      __builtin_prefetch(v + at, 0, 2);
+      offset += 64;
+      if (offset >= block_bytes) {
+        offset = 0;
+        ++block;
+      }
+    }
+  }
+};
+
 // Work items of a decode attention call: a sequence's KV heads in `chunks` runs of
 // `per_chunk`, each item reading its heads' part of every cache row once (one contiguous run
 // per token). One run per sequence when there are enough sequences to keep the threads busy;
