@@ -79,9 +79,9 @@ struct Lanes<c10::BFloat16> {
 template <int C>
 constexpr int kHeadsPerPass = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
 
-// Blocks ahead whose rows a lead head asks for (for_each_run_ahead): only the first item of a
-// thread's run, or items that read part of a row; the rest find their rows asked for already
-// (RowStream, below). From a cold cache (64 sequences at context 150, 30 layers, 2 threads)
+// Blocks ahead whose rows a lead head asks for (for_each_run_ahead), where items read whole
+// rows: only in the first item of a thread's run, the later ones finding their rows asked for
+// already (RowStream, below). From a cold cache (64 sequences at context 150, 30 layers, 2 threads)
 // asking 1 to 8 blocks ahead took 33.5-34.5 ms against 39-41 ms without.
 //
 // Measured 2026-12-03 (AMD EPYC Zen 4, 2 threads, bf16 cache, 64 sequences at context 64, 30
