@@ -95,6 +95,15 @@ def profile_step_costs(runner: ModelRunner, budget: AdaptiveStepBudget, num_bloc
     runner.execute(SchedulerOutput((), frozenset(ids)))  # the runner forgets the synthetic rows
 
 
+def chunk_granule(runner: ModelRunner) -> int:
+    """Tokens whose query rows fill one row tile of the runner's attention kernel (1 where the
+    backend does not say how many rows a tile holds)."""
+    rows = getattr(runner.backend, "query_rows_per_tile", 0)
+    cfg = runner.config
+    group = cfg.num_attention_heads // max(1, cfg.num_key_value_heads or cfg.num_attention_heads)
+    return max(1, rows // max(1, group))
+
+
 def build_step_budget(args: EngineArgs, runner: ModelRunner, num_blocks: int,
                       max_model_len: int, max_tokens: int) -> AdaptiveStepBudget | None:
     """The adaptive budget, profiled, when --max-num-batched-tokens is not given (None: the
@@ -103,7 +112,7 @@ def build_step_budget(args: EngineArgs, runner: ModelRunner, num_blocks: int,
         logger.info("Token budget per step: %s tokens (--max-num-batched-tokens: fixed; long "
                     "prompts are prefilled in chunks under it)", f"{max_tokens:,}")
         return None
-    budget = AdaptiveStepBudget(max_tokens, args.block_size)
+    budget = AdaptiveStepBudget(max_tokens, args.block_size, granule=chunk_granule(runner))
     started = time.perf_counter()
     profile_step_costs(runner, budget, num_blocks, max_model_len, args.max_num_seqs)
     for line in budget.describe():

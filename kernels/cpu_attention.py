@@ -21,6 +21,10 @@ class CpuAttentionBackend:
     """AttentionBackend for CPU tensors with the C++ ops loaded."""
 
     supports_cuda_graphs = False
+    # A prefill chunk's query rows (its tokens x the query heads of a KV head) fill the varlen
+    # kernel's vectors this many at a time (varlen_tiles.h, kLanes): the adaptive step budget
+    # sizes short chunks to whole tiles.
+    query_rows_per_tile = 16
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops

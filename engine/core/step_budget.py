@@ -1,9 +1,9 @@
 """The token budget of each step when --max-num-batched-tokens is not given: adaptive.
 
 A step that carries decodes is a pause in every stream it carries, so a prefill chunk riding
-along is sized to keep that step within DECODE_STEP_MULTIPLE x what the decodes alone would
-take (Sarathi-Serve's stall-free batching, with the chunk derived from measured cost instead of
-a hand-picked token count). The costs come from `StepCostModel`: profiled at startup, refit on
+along is sized to keep that step within DECODE_STEP_MULTIPLE x what the decodes alone were
+measured to take in their recent decode-only steps (Sarathi-Serve's stall-free batching, with
+the chunk derived from measured cost instead of a hand-picked token count). The costs come from `StepCostModel`: profiled at startup, refit on
 the last steps' timings, so the chunk follows the hardware, the model, the number of streams
 and the context the chunk attends over (a chunk deep into an 8k prompt attends over more and
 gets fewer tokens). Prefill still moves every step: the chunk never drops below
@@ -24,12 +24,15 @@ An explicit --max-num-batched-tokens is a fixed budget and never reaches this mo
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.step_cost import (
     FEATURE_NAMES,
+    Features,
     StepCostModel,
     add_features,
     batch_features,
@@ -49,6 +52,13 @@ MIN_CHUNK_TOKENS = 4
 FALLBACK_CHUNK_TOKENS = 256
 # Recent steps the cost model is fit on (beside the startup profile).
 WINDOW_STEPS = 64
+# Decode-only steps kept per number of decode rows: their measured forwards are the pace a
+# capped step is held to (the model's own decode-only prediction is an extrapolation once the
+# window holds only mixed steps: during an 8k prefill it wandered between 14 and 26 ms for
+# decoders whose steps took 17, and the cap with it).
+REFERENCE_STEPS = 16
+# Measured decode-only steps needed before they replace the model's prediction.
+MIN_REFERENCE_STEPS = 3
 
 
 class AdaptiveStepBudget:
@@ -56,18 +66,41 @@ class AdaptiveStepBudget:
 
     def __init__(self, max_tokens: int, block_size: int,
                  multiple: float = DECODE_STEP_MULTIPLE,
-                 model: StepCostModel | None = None) -> None:
+                 model: StepCostModel | None = None, granule: int = 1) -> None:
         self.max_tokens = max_tokens
         self.block_size = block_size
+        # Below a block, chunks are multiples of this many tokens (from one granule up): the
+        # tokens whose query rows fill one of the attention kernel's row tiles (CPU: 16 rows,
+        # SmolLM2's 3 query heads per KV head -> 5 tokens; a 6-token chunk's 18 rows took two
+        # tiles, the cost of 10 tokens).
+        self.granule = max(1, granule)
         self.multiple = multiple
         self.min_chunk = MIN_CHUNK_TOKENS
         self.model = model if model is not None else StepCostModel(WINDOW_STEPS)
         self.last_chunk: int | None = None  # the chunk of the last capped step (None: uncapped)
+        # decode rows -> the seconds of recent decode-only steps with that many rows
+        self._decode_steps: dict[int, deque[float]] = {}
 
     def observe(self, batch: SchedulerOutput, seconds: float) -> None:
-        """Feeds a finished step's forward time into the cost model."""
-        if batch.requests and seconds > 0:
-            self.model.observe(batch_features(batch), seconds)
+        """Feeds a finished step's forward time into the cost model (and, for a step in which
+        every row decodes, into the measured decode-only pace)."""
+        if not batch.requests or seconds <= 0:
+            return
+        features = batch_features(batch)
+        self.model.observe(features, seconds)
+        if features[1] == features[2]:
+            self._decode_steps.setdefault(int(features[2]), deque(maxlen=REFERENCE_STEPS)
+                                          ).append(seconds)
+
+    def decode_step_seconds(self, decodes: Features) -> float:
+        """What a step of these decodes alone takes: the median of the recent measured
+        decode-only steps with as many rows (the model's prediction until a few were measured).
+        During a long prefill none is measured and the decoders' contexts grow, so this is the
+        pace they had before it: the pace the cap is meant to keep."""
+        measured = self._decode_steps.get(int(decodes[2]), ())
+        if len(measured) < MIN_REFERENCE_STEPS:
+            return self.model.predict(decodes)
+        return statistics.median(measured)
 
     def next_budget(self, running: Sequence[Request], waiting: Sequence[Request],
                     num_new_tokens: Callable[[Request], int]) -> int:
@@ -97,16 +130,18 @@ class AdaptiveStepBudget:
         return len(decode_contexts) + self.last_chunk
 
     def chunk_tokens(self, decode_contexts: Sequence[int], prefill_start: int) -> int:
-        """The largest chunk (at least `min_chunk`; whole blocks from one block up) that keeps a
-        step with these decodes within `multiple` x the decodes alone, for a prefill at
-        `prefill_start`. Where not even `min_chunk` keeps it (a chunk's fixed cost, reading its
-        prefix on a backend that copies it out, is past the limit alone), the least chunk whose
-        tokens cost more than that fixed part."""
+        """The largest chunk (at least `min_chunk`; whole blocks from one block up, whole
+        granules below) whose step with these decodes the model predicts within `multiple` x
+        the decodes' own step as measured (`decode_step_seconds`), for a prefill at
+        `prefill_start`. Where not even `min_chunk` keeps within it (a chunk's fixed cost, its
+        attention over a long prefix, is past the limit alone), the least chunk whose tokens
+        cost more than that fixed part."""
         cap = max(self.min_chunk, self.max_tokens - len(decode_contexts))
         if not self.model.ready:
             return min(cap, max(self.min_chunk, FALLBACK_CHUNK_TOKENS))
         decodes = step_features((1, c) for c in decode_contexts)
         alone = self.model.predict(decodes)
+        limit = self.multiple * self.decode_step_seconds(decodes)
         fixed = self.model.predict(add_features(decodes, step_features([(0, prefill_start)])))
         fixed -= alone
 
@@ -114,22 +149,21 @@ class AdaptiveStepBudget:
             chunk = step_features([(k, prefill_start + k)])
             return self.model.predict(add_features(decodes, chunk)) - alone
 
-        allowance = (self.multiple - 1.0) * alone
-        fits = self._largest(lambda k: extra(k) <= allowance, cap)
-        if extra(self.min_chunk) <= allowance:
+        fits = self._largest(lambda k: alone + extra(k) <= limit, cap)
+        if alone + extra(self.min_chunk) <= limit:
             return fits  # the streams' pace holds: the largest chunk that keeps it
         # Not even the least chunk keeps the pace (its prefix alone costs more: a backend that
         # copies the prefix out). The step will be long whatever the chunk: make it worth it.
         # the least chunk whose tokens cost more than the fixed part (whole blocks from a block)
         least = self._largest(lambda k: extra(k) - fixed < fixed, cap) + 1
-        if least >= self.block_size:
-            least = -(-least // self.block_size) * self.block_size
+        step = self.block_size if least >= self.block_size else self.granule
+        least = -(-least // step) * step
         return min(cap, max(fits, least))
 
     def _largest(self, ok: Callable[[int], bool], cap: int) -> int:
         """The largest chunk in [min_chunk, cap] for which `ok` holds (`ok` holds for a prefix
-        of sizes), rounded down to whole blocks when it is a block or more; min_chunk when
-        none."""
+        of sizes), rounded down to whole blocks when it is a block or more, else to whole
+        granules from one granule up; min_chunk when none."""
         lo, hi = self.min_chunk, max(self.min_chunk, cap)
         if not ok(lo):
             return self.min_chunk
@@ -139,7 +173,9 @@ class AdaptiveStepBudget:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo if lo < self.block_size else lo - lo % self.block_size
+        if lo >= self.block_size:
+            return lo - lo % self.block_size
+        return lo if lo < self.granule else lo - lo % self.granule
 
     def describe(self) -> list[str]:
         """The startup log lines: what the budget is, its limits, and the model's estimate."""

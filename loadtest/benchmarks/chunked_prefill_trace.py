@@ -6,11 +6,11 @@ One engine in this process (default flags but the threads and context: no
 --max-num-batched-tokens, so the budget adapts) runs D decoders (random short prompts, greedy,
 EOS ignored) until each has streamed a few tokens, then takes one long prompt. Every step until
 its first token is logged: the measured forward time, the cost model's prediction for it (made
-before the step joins the fit), the model's decode-only prediction for the same decoders, and
-the chunk. The window is split into parts by step; each part's medians, and over the window the
+before the step joins the fit), the decode-only step the budget holds it to (the measured
+pace of the same number of decoders, `AdaptiveStepBudget.decode_step_seconds`), and the
+chunk. The window is split into parts by step; each part's medians, and over the window the
 steps' p99 against the decoders' pace before the prompt came (the benchmark's reference) and
-against the predicted decode-only step of the same moment (which grows with the decoders'
-contexts).
+against that decode-only reference.
 
     python -m loadtest.benchmarks.chunked_prefill_trace [--threads N] [--prompt-len L]
 """
@@ -37,8 +37,8 @@ from loadtest.stats import percentile
 def summarize(steps: Sequence[dict[str, float]], base_s: float, parts: int = 10
               ) -> dict[str, Any]:
     """Per part of the window (by step): the chunks' context range and median size, the
-    median step, predicted decode-only step and measured / predicted (median, max); overall,
-    the steps' p50 and p99 over `base_s` and over their own decode-only prediction."""
+    median step, decode-only reference and measured / predicted (median, max); overall,
+    the steps' p50 and p99 over `base_s` and over their decode-only reference."""
     rows = []
     for i in range(parts):
         part = steps[i * len(steps) // parts:(i + 1) * len(steps) // parts]
@@ -79,7 +79,7 @@ def trace_window(model: str, threads: int, decoders: int = 4, prompt_len: int = 
         decodes = [row for row in rows if row[0] == 1]
         steps.append({"seconds": seconds,
                       "predicted": budget.model.predict(step_features(rows)),
-                      "decode_only": budget.model.predict(step_features(decodes))
+                      "decode_only": budget.decode_step_seconds(step_features(decodes))
                       if decodes else 0.0,
                       "chunk": float(sum(q for q, _ in rows if q > 1)),
                       "context": float(max((c for q, c in rows if q > 1), default=0))})
@@ -123,7 +123,7 @@ def render_trace(trace: dict[str, Any]) -> list[str]:
     """Markdown lines: the parts' table and the window's ratios."""
     summary = trace["summary"]
     table = format_table(
-        ("chunk context", "chunk (tokens)", "step median (ms)", "decode-only predicted (ms)",
+        ("chunk context", "chunk (tokens)", "step median (ms)", "decode-only reference (ms)",
          "measured / predicted, median", "max"),
         [(f"{p['context'][0]:,.0f}-{p['context'][1]:,.0f}", p["chunk"], p["step_ms"],
           p["decode_only_ms"], p["error_median"], p["error_max"]) for p in summary["parts"]])
@@ -136,8 +136,8 @@ def render_trace(trace: dict[str, Any]) -> list[str]:
         f"TTFT {trace['ttft_s']:.1f} s over {summary['steps']} steps. Steps over the decoders' "
         f"pace before the prompt came ({trace['base_s'] * 1e3:.1f} ms, the benchmark's "
         f"reference): p50 {summary['over_base'][0]:.2f}x, p99 {summary['over_base'][1]:.2f}x"
-        + (f"; over the decode-only step the model predicts for the decoders of the same "
-           f"moment (their contexts grow through the window): p50 {own[0]:.2f}x, p99 "
+        + (f"; over the decode-only reference the budget held them to (the measured pace "
+           f"of as many decoders): p50 {own[0]:.2f}x, p99 "
            f"{own[1]:.2f}x." if own else "."), ""]
 
 

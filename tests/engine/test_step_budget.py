@@ -334,3 +334,69 @@ def test_the_fit_is_the_exact_non_negative_least_squares_solution() -> None:
     ours = np.array(_weighted_nnls(rows, targets, weights))
     assert (ours >= 0).all()
     assert objective(ours) <= objective(best) * (1 + 1e-6)
+
+
+def test_the_cap_follows_the_measured_decode_steps_not_the_models_guess() -> None:
+    """The limit is a multiple of what decode-only steps with as many rows were measured to
+    take (the pace the streams had). Once the recent window holds only mixed steps (a long
+    prefill) the model's decode-only figure is an extrapolation: here the mixed steps ran
+    slower than the hardware the model was fit on, which pulled its decode-only prediction up,
+    and the cap must not follow it."""
+    budget = AdaptiveStepBudget(8192, block_size=16, multiple=2.5, model=trained_model())
+    decodes = shape_batch(((40,) * 4, 0, 0), 16)
+    alone = fake_seconds(batch_features(decodes))
+    four = step_features([(1, 40)] * 4)
+    for _ in range(2):
+        budget.observe(decodes, alone)
+    assert budget.decode_step_seconds(four) == budget.model.predict(four)  # two: not yet
+    budget.observe(decodes, alone * 1.1)
+    mixed = shape_batch(((40,) * 4, 16, 1000), 16)
+    for _ in range(64):
+        budget.observe(mixed, 1.5 * fake_seconds(batch_features(mixed)))
+    assert budget.model.predict(four) > 1.2 * alone  # the model's guess moved up
+    assert budget.decode_step_seconds(four) == pytest.approx(alone)  # the median measured
+    chunk = budget.chunk_tokens([40] * 4, 1000)
+    with_chunk = step_features([(1, 40)] * 4 + [(chunk, 1000 + chunk)])
+    assert budget.model.predict(with_chunk) <= 2.5 * alone * 1.001
+    assert budget.model.predict(step_features([(1, 40)] * 4 + [(chunk + 16, 1016 + chunk)])) \
+        > 2.5 * alone
+    # decode-only steps with another number of rows do not count for these four
+    other = AdaptiveStepBudget(8192, block_size=16, multiple=2.5, model=trained_model())
+    for _ in range(5):
+        other.observe(shape_batch(((40,) * 3, 0, 0), 16), alone / 2)
+    assert other.decode_step_seconds(four) == other.model.predict(four)
+
+
+def test_short_chunks_fill_whole_row_tiles_of_the_attention_kernel() -> None:
+    """Below a block a chunk is a whole number of granules (the tokens whose query rows fill
+    one tile of the attention kernel), or the least chunk."""
+    for context in (0, 300, 600, 1000, 1500, 2500):
+        plain = AdaptiveStepBudget(8192, block_size=16, multiple=2.5, model=trained_model())
+        tiled = AdaptiveStepBudget(8192, block_size=16, multiple=2.5, model=trained_model(),
+                                   granule=5)
+        free, chunk = plain.chunk_tokens([40] * 4, context), tiled.chunk_tokens([40] * 4, context)
+        if free >= 16:
+            assert chunk == free
+        else:
+            assert chunk == (free if free < 5 else free - free % 5), (context, free, chunk)
+    sizes = {AdaptiveStepBudget(8192, block_size=16, multiple=m, model=trained_model(),
+                                granule=5).chunk_tokens([40] * 4, 1000)
+             for m in (1.1, 1.3, 1.6, 2.0, 2.5, 3.0)}
+    assert sizes - {4, 5, 10, 15} and all(s in (4, 5, 10, 15) or s % 16 == 0 for s in sizes)
+
+
+def test_the_granule_is_the_tokens_of_one_row_tile_of_the_cpu_kernel() -> None:
+    from types import SimpleNamespace
+
+    from engine.step_profile import chunk_granule
+    from kernels.cpu_attention import CpuAttentionBackend
+
+    def runner(backend: object, heads: int, kv_heads: int) -> SimpleNamespace:
+        config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+        return SimpleNamespace(backend=backend, config=config)
+
+    cpu = CpuAttentionBackend(ops=None)
+    assert chunk_granule(runner(cpu, 9, 3)) == 5  # SmolLM2: 3 query heads per KV head
+    assert chunk_granule(runner(cpu, 32, 8)) == 4
+    assert chunk_granule(runner(cpu, 12, 12)) == 16
+    assert chunk_granule(runner(object(), 9, 3)) == 1  # a backend that does not say
