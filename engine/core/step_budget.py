@@ -185,8 +185,9 @@ class AdaptiveStepBudget:
             f"for their first token than streams decode; otherwise, "
             f"the decodes plus a prefill chunk of {self.min_chunk:,} to "
             f"{self.max_tokens - 1:,} tokens sized to keep the step within {self.multiple:g}x "
-            f"a decode-only step, by a step-cost model fit on {self.model.num_observations} "
-            f"profiled steps and refit on the last {WINDOW_STEPS} steps"]
+            f"the decodes' measured decode-only step, by a step-cost model fit on "
+            f"{self.model.num_observations} profiled steps and refit on the last "
+            f"{WINDOW_STEPS} steps"]
         if self.model.ready:
             coef = self.model.coefficients()
             terms = ", ".join(f"{c * 1e3:.3g} ms/{name}" for c, name in
