@@ -3,21 +3,22 @@
 A step that carries decodes is a pause in every stream it carries, so a prefill chunk riding
 along is sized to keep that step within DECODE_STEP_MULTIPLE x what the decodes alone were
 measured to take in their recent decode-only steps (Sarathi-Serve's stall-free batching, with
-the chunk derived from measured cost instead of a hand-picked token count). The costs come from `StepCostModel`: profiled at startup, refit on
-the last steps' timings, so the chunk follows the hardware, the model, the number of streams
-and the context the chunk attends over (a chunk deep into an 8k prompt attends over more and
-gets fewer tokens). Prefill still moves every step: the chunk never drops below
-MIN_CHUNK_TOKENS. The cap protects streams that are the majority: while more requests wait for
-their first token (queued, or mid-prefill) than streams decode, a step takes the whole budget,
-as vLLM's would (64 chat requests arriving at once behind one that started a moment earlier
-were otherwise admitted a few per capped step, and their prefill took twice as long). Chunks of
-a block or more are whole blocks; deep into a long prompt, where a block's attention over the
-context alone would take the step past its limit, a chunk may be a few tokens (the streams'
-pace comes first). A step with no decodes, or with nothing to prefill, takes the whole budget,
+the chunk derived from measured cost instead of a hand-picked token count). The chunk's cost
+comes from `StepCostModel`: profiled at startup, refit on the last steps' timings, so the chunk
+follows the hardware, the model, the number of streams and the context the chunk attends over
+(a chunk deep into an 8k prompt attends over more and gets fewer tokens). Prefill still moves
+every step: the chunk never drops below MIN_CHUNK_TOKENS. The cap protects streams that are the
+majority: while more requests wait for their first token (queued, or mid-prefill) than streams
+decode, a step takes the whole budget, as vLLM's would (64 chat requests arriving at once
+behind one that started a moment earlier were otherwise admitted a few per capped step, and
+their prefill took twice as long). Chunks of a block or more are whole blocks; deep into a long
+prompt, where a block's attention over the context alone would take the step past its limit, a
+chunk may be a few tokens, in whole row tiles of the attention kernel (the streams' pace comes
+first). A step with no decodes, or with nothing to prefill, takes the whole budget,
 `max_tokens` (the default ceiling: max-model-len up to 8192, at least 2048 and at least
-max-num-seqs), which is also the most a step can ever carry, so the activation peak profiled for it
-still bounds every step. Decodes are never cut: a step's budget is the running decodes plus the
-chunk.
+max-num-seqs), which is also the most a step can ever carry, so the activation peak profiled
+for it still bounds every step. Decodes are never cut: a step's budget is the running decodes
+plus the chunk.
 
 An explicit --max-num-batched-tokens is a fixed budget and never reaches this module.
 """

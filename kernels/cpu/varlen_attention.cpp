@@ -49,47 +49,9 @@ struct Item {
 };
 
 constexpr int64_t kTileTokens = 32;     // query tokens per item (at most)
-constexpr int64_t kAheadTiles = 2;      // key tiles between a tile's read and its prefetch
-
-// The K and V cache rows of one key tile ahead of an item's reads, asked for into L2 a share
-// per KV head's pass over the current tile (`pump`), so memory streams the context while the
-// tiles compute. Without it a short chunk deep into a long prompt read its context from memory
-// at ~5 GB/s (SmolLM2, bf16 cache, 4 tokens at context 7,800: 34 ms of attention a step over
-// 30 layers cold, 16 ms warm; AMD EPYC Zen 4, 2 threads).
-struct TileStream {
-  int64_t runs = 0, lines = 0, per_pump = 0, done = 0;
-  int64_t first_slot[2] = {}, count[2] = {};  // its first two runs (blocks of 16 keys or more: all)
-  int64_t row_bytes = 0;
-
-  void aim(const int32_t* table_row, int64_t block_size, int64_t first, int64_t end,
-           int64_t row_bytes_, int64_t pumps) {
-    runs = lines = done = 0;
-    row_bytes = row_bytes_;
-    if (first >= end) return;
-    for_each_run(table_row, block_size, first, end, [&](int64_t, int64_t slot, int64_t n) {
-      if (runs < 2) {
-        first_slot[runs] = slot;
-        count[runs++] = n;
-        lines += (n * row_bytes + 63) / 64;
-      }
-    });
-    per_pump = (lines + pumps - 1) / pumps;
-  }
-  void pump(const char* k, const char* v) {
-    for (int64_t i = 0; i < per_pump && done < lines; ++i, ++done) {
-      int64_t line = done, r = 0;
-      const int64_t first_lines = (count[0] * row_bytes + 63) / 64;
-      if (line >= first_lines) {
-        line -= first_lines;
-        r = 1;
-      }
-      const int64_t at = first_slot[r] * row_bytes + line * 64;
-      __builtin_prefetch(k + at, 0, 2);
-      __builtin_prefetch(v + at, 0, 2);
-    }
-  }
-};
 constexpr int64_t kMinSplitKeys = 256;  // the least context a split-off item reads
+constexpr int64_t kAheadTiles = 2;      // key tiles between a tile's read and its prefetch
+                                        // (TileStream, paged.h; 1, 4 and 8 were no better)
 
 // Keys a tile of query tokens t0..t1-1 reads: its first token's window start to its last
 // token's position.
