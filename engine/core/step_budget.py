@@ -60,6 +60,14 @@ WINDOW_STEPS = 64
 REFERENCE_STEPS = 16
 # Measured decode-only steps needed before they replace the model's prediction.
 MIN_REFERENCE_STEPS = 3
+# A chunk is at most this many times the last measured step's chunk (or one block): the model's
+# refit on a window of near-identical steps can lose its per-token terms and call any chunk
+# free (a 2-core VM in a noisy phase: from context 2,500 of an 8k prompt it took chunks of
+# hundreds of tokens, one step 55x its prediction).
+MAX_CHUNK_GROWTH = 2.0
+# A measured step with a chunk this far past the limit shrinks the next chunk by the overrun
+# (below it, noise: steps land up to ~1.2x their prediction on a shared 2-core VM).
+OVERRUN_TOLERANCE = 1.25
 
 
 class AdaptiveStepBudget:
@@ -81,6 +89,7 @@ class AdaptiveStepBudget:
         self.last_chunk: int | None = None  # the chunk of the last capped step (None: uncapped)
         # decode rows -> the seconds of recent decode-only steps with that many rows
         self._decode_steps: dict[int, deque[float]] = {}
+        self._last_mixed: tuple[int, float] | None = None  # (chunk tokens, seconds) measured
 
     def observe(self, batch: SchedulerOutput, seconds: float) -> None:
         """Feeds a finished step's forward time into the cost model (and, for a step in which
@@ -92,6 +101,8 @@ class AdaptiveStepBudget:
         if features[1] == features[2]:
             self._decode_steps.setdefault(int(features[2]), deque(maxlen=REFERENCE_STEPS)
                                           ).append(seconds)
+        elif features[2]:  # decodes beside prefill tokens
+            self._last_mixed = (int(features[1] - features[2]), seconds)
 
     def decode_step_seconds(self, decodes: Features) -> float:
         """What a step of these decodes alone takes: the median of the recent measured
@@ -152,14 +163,27 @@ class AdaptiveStepBudget:
 
         fits = self._largest(lambda k: alone + extra(k) <= limit, cap)
         if alone + extra(self.min_chunk) <= limit:
-            return fits  # the streams' pace holds: the largest chunk that keeps it
+            return self._measured_bound(fits, limit)  # the largest chunk that keeps the pace
         # Not even the least chunk keeps the pace (its prefix alone costs more: a backend that
         # copies the prefix out). The step will be long whatever the chunk: make it worth it.
         # the least chunk whose tokens cost more than the fixed part (whole blocks from a block)
         least = self._largest(lambda k: extra(k) - fixed < fixed, cap) + 1
         step = self.block_size if least >= self.block_size else self.granule
         least = -(-least // step) * step
-        return min(cap, max(fits, least))
+        return self._measured_bound(min(cap, max(fits, least)), limit)
+
+    def _measured_bound(self, chunk: int, limit: float) -> int:
+        """`chunk`, held to what the last measured step with a chunk says, whatever the model
+        predicts: after a step well past `limit`, its chunk scaled down by the overrun (the
+        streams' pace first); otherwise at most MAX_CHUNK_GROWTH x its chunk (or a block)."""
+        if self._last_mixed is None:
+            return chunk
+        tokens, seconds = self._last_mixed
+        bound = int(tokens * limit / seconds) if seconds > OVERRUN_TOLERANCE * limit else \
+            max(self.block_size, int(MAX_CHUNK_GROWTH * tokens))
+        if chunk <= bound:
+            return chunk
+        return self._largest(lambda k: k <= bound, bound)
 
     def _largest(self, ok: Callable[[int], bool], cap: int) -> int:
         """The largest chunk in [min_chunk, cap] for which `ok` holds (`ok` holds for a prefix

@@ -400,3 +400,27 @@ def test_the_granule_is_the_tokens_of_one_row_tile_of_the_cpu_kernel() -> None:
     assert chunk_granule(runner(cpu, 32, 8)) == 4
     assert chunk_granule(runner(cpu, 12, 12)) == 16
     assert chunk_granule(runner(object(), 9, 3)) == 1  # a backend that does not say
+
+
+def test_measured_steps_bound_the_chunk_when_the_model_goes_wrong() -> None:
+    """A model refit on near-identical steps can call every chunk free; the measured steps
+    still bound it: a chunk grows at most 2x (or to a block) over the last measured one, and
+    after a step far past the limit the next chunk shrinks by the overrun."""
+    free = StepCostModel()  # a broken fit: every step 20 ms, whatever it carries
+    for rows in ([], [(64, 3064)], [(256, 256)], [(16, 6016)]):
+        free.add_anchor(step_features([(1, 40)] * 4 + rows), 0.020)
+    budget = AdaptiveStepBudget(8192, block_size=16, multiple=2.5, model=free, granule=5)
+    decodes = shape_batch(((40,) * 4, 0, 0), 16)
+    for _ in range(3):
+        budget.observe(decodes, 0.020)
+    assert budget.chunk_tokens([40] * 4, 3000) == 8176  # the model alone: all it may (blocks)
+    budget.observe(shape_batch(((40,) * 4, 10, 3000), 16), 0.045)  # within 2.5 x 20 ms
+    assert budget.chunk_tokens([40] * 4, 3010) == 16  # 2 x 10 tokens, rounded to a block
+    budget.observe(shape_batch(((40,) * 4, 48, 3010), 16), 0.040)
+    assert budget.chunk_tokens([40] * 4, 3058) == 96
+    budget.observe(shape_batch(((40,) * 4, 96, 3058), 16), 0.200)  # 4x the 50 ms limit
+    assert budget.chunk_tokens([40] * 4, 3154) == 16  # 96 x 50 / 200 = 24 -> one block
+    budget.observe(shape_batch(((40,) * 4, 16, 3154), 16), 0.150)  # 3x: 16 x 1/3 -> 5
+    assert budget.chunk_tokens([40] * 4, 3170) == 5
+    budget.observe(shape_batch(((40,) * 4, 5, 3170), 16), 0.300)
+    assert budget.chunk_tokens([40] * 4, 3175) == MIN_CHUNK_TOKENS  # never below the least
