@@ -157,12 +157,15 @@ class AdaptiveStepBudget:
         fixed = self.model.predict(add_features(decodes, step_features([(0, prefill_start)])))
         fixed -= alone
 
-        def extra(k: int) -> float:  # what a chunk of k tokens adds to the step
-            chunk = step_features([(k, prefill_start + k)])
-            return self.model.predict(add_features(decodes, chunk)) - alone
+        def with_chunk(k: int) -> float:  # the predicted step with a chunk of k tokens
+            return self.model.predict(add_features(decodes,
+                                                   step_features([(k, prefill_start + k)])))
 
-        fits = self._largest(lambda k: alone + extra(k) <= limit, cap)
-        if alone + extra(self.min_chunk) <= limit:
+        def extra(k: int) -> float:  # what a chunk of k tokens adds to the step
+            return with_chunk(k) - alone
+
+        fits = self._largest(lambda k: with_chunk(k) <= limit, cap)
+        if with_chunk(self.min_chunk) <= limit:
             return self._measured_bound(fits, limit)  # the largest chunk that keeps the pace
         # Not even the least chunk keeps the pace (its prefix alone costs more: a backend that
         # copies the prefix out). The step will be long whatever the chunk: make it worth it.
