@@ -143,20 +143,24 @@ class FusedStack:
         self.has_ends = True
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
-                      ) -> torch.Tensor | None:
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                      argmax: bool = False) -> torch.Tensor | None:
         """float32 logits [rows, vocab] of a decode step in which every row samples, from
         token ids in one C++ call (embedding, layers, final norm, LM head in one parallel
         region: at batch 1 on SmolLM2 the four calls around the layers cost ~0.15 ms of a 4 ms
         token; a bfloat16 model's head output widened to float32 as compute_logits does), or
-        None where that step does not take the batch (nothing has run then)."""
+        None where that step does not take the batch (nothing has run then).
+        With `argmax`, each row's argmax of those logits instead (int64 [rows]), found by each
+        thread in the part of the head it computed: reading the whole row afterwards, half of
+        it from the other core's cache, and widening it took ~0.1 ms of a 4 ms token."""
         if not self.has_ends or meta.num_seqs != input_ids.shape[0] or \
                 not self.serves(input_ids, meta):
             return None
-        logits: torch.Tensor | None = self.stack.forward_logits(
+        run = self.stack.forward_argmax if argmax else self.stack.forward_logits
+        out: torch.Tensor | None = run(
             input_ids, positions, [k for k, _ in kv_caches], [v for _, v in kv_caches],
             meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.sliding_window or 0)
-        return logits
+        return out
 
     def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether every layer's op computes this batch (each layer's `serves`, without 30

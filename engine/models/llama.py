@@ -196,14 +196,15 @@ class LlamaForCausalLM(nn.Module):
                 and self.embed_tokens.dtype == self.norm.weight.dtype)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
-                      ) -> torch.Tensor | None:
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                      argmax: bool = False) -> torch.Tensor | None:
         """`compute_logits(forward(...))` of a decode step in which every token samples, in one
         C++ call on CPU where the fused stack can run the whole step (engine/models/cpu_layer.py:
-        FusedStack.decode_logits); None otherwise, having run nothing."""
+        FusedStack.decode_logits), or with `argmax` each row's argmax of them; None otherwise,
+        having run nothing."""
         stack = self._stack(input_ids)
         return None if stack is None else stack.decode_logits(input_ids, positions, kv_caches,
-                                                              meta)
+                                                              meta, argmax)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""

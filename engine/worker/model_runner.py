@@ -45,6 +45,7 @@ from kernels.selector import get_attention_backend
 if TYPE_CHECKING:
     from engine.distributed.parallel_state import ParallelGroups
     from engine.models.pipeline_layers import StageSpec
+    from engine.outputs import PositionLogprobs
 
 logger = logging.getLogger("kvserve")
 
@@ -257,10 +258,14 @@ class ModelRunner:
                                     self.device, previous)
             rows = inputs.sampling_rows
             if len(rows) == inputs.input_ids.shape[0]:  # every token samples, in order
-                logits = self.model.decode_logits(inputs.input_ids, inputs.positions,
-                                                  self.kv_caches, inputs.meta)
-                if logits is not None:  # the whole step was one C++ call
-                    return self._sample_logits(logits, rows, previous)
+                # Greedy rows that ask nothing else get their tokens from the step itself.
+                argmax = self.sampler.argmax_only(rows)
+                out = self.model.decode_logits(inputs.input_ids, inputs.positions,
+                                               self.kv_caches, inputs.meta, argmax=argmax)
+                if out is not None:  # the whole step was one C++ call
+                    if argmax:
+                        return self._result(rows, *self.sampler.took_argmax(out.tolist()))
+                    return self._sample_logits(out, rows, previous)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if not rows:
                 return StepResult()
@@ -276,7 +281,11 @@ class ModelRunner:
     def _sample_logits(self, logits: torch.Tensor, rows: list[ScheduledRequest],
                        previous: dict[str, int]) -> StepResult:
         """The sampling rows' logits, sampled."""
-        tokens, logprobs = self.sampler.sample(logits, with_history(rows, previous))
+        return self._result(rows, *self.sampler.sample(logits, with_history(rows, previous)))
+
+    def _result(self, rows: list[ScheduledRequest], tokens: list[int],
+                logprobs: list[PositionLogprobs | None]) -> StepResult:
+        """The step's result from the sampler's tokens (and logprobs) for the sampling rows."""
         grammar = self.sampler.last_grammar_result
         result = StepResult(grammar_terminated=grammar.terminated,
                             grammar_rejected=grammar.rejected)

@@ -37,9 +37,8 @@ class Sampler:
         Rows with a grammar or a logit_bias have their logits changed in place; the grammars
         then accept the sampled tokens (`last_grammar_result` says which ended or refused).
         """
-        if all(_argmax_only(r) for r in rows):  # what the steps below come to for such rows
-            self.last_grammar_result = AcceptResult()
-            return argmax_rows(logits).tolist(), [None] * len(rows)
+        if self.argmax_only(rows):  # what the steps below come to for such rows
+            return self.took_argmax(argmax_rows(logits).tolist())
         raw_logprobs = self._raw_logprobs(logits, rows)
         constrained = self.grammars.constrained_rows(rows)
         if constrained:
@@ -56,6 +55,16 @@ class Sampler:
         self.last_grammar_result = self.grammars.accept(rows, constrained, token_list) \
             if constrained else AcceptResult()
         return token_list, self._gather_logprobs(raw_logprobs, token_list, rows)
+
+    def argmax_only(self, rows: Sequence[ScheduledRequest]) -> bool:
+        """Whether every row's token is its logits' argmax and nothing else is asked of it (a
+        step may then compute the argmax where the logits are made: ModelRunner.execute)."""
+        return all(_argmax_only(r) for r in rows)
+
+    def took_argmax(self, tokens: list[int]) -> tuple[list[int], list[PositionLogprobs | None]]:
+        """sample()'s answer for argmax-only rows whose argmax `tokens` are known."""
+        self.last_grammar_result = AcceptResult()
+        return tokens, [None] * len(tokens)
 
     def _raw_logprobs(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]
                       ) -> torch.Tensor | None:

@@ -20,16 +20,13 @@
 #include <memory>
 #include <vector>
 
+#include "argmax.h"
 #include "ops.h"
 #include "qgemm_int8.h"
 #include "rows.h"
 #include "team.h"
 
 namespace kvserve {
-
-namespace {
-constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs (see serves_team)
-}  // namespace
 
 #ifdef KVSERVE_INT8_DOT
 
@@ -110,18 +107,24 @@ bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linea
 }  // namespace
 #endif
 
-namespace {
-
 // Whether the team step computes in `dtype`: float32, and bfloat16 where this build's decode
 // attention reads a bf16 cache (AVX512-BF16).
-bool team_dtype(at::ScalarType dtype) {
+bool DecoderStack::team_dtype(at::ScalarType dtype) {
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) return true;
 #endif
   return dtype == at::kFloat;
 }
 
-}  // namespace
+int64_t DecoderStack::team_head_rows(int64_t hidden) const {
+#ifdef KVSERVE_INT8_DOT
+  const TeamPlan* plan = team_plan(hidden);
+  return plan != nullptr && plan->head.has_value() ? plan->head->N : 0;
+#else
+  (void)hidden;
+  return 0;
+#endif
+}
 
 // The plan of the team step for rows of `hidden`, or null where a layer does not fit it (what
 // does not change from step to step: worked out once per hidden size).
@@ -211,13 +214,13 @@ void DecoderStack::forward_team(at::Tensor x, const void* const* cos_rows,
                                 const std::vector<at::Tensor>& v_caches,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, int64_t sliding_window,
-                                void* logits) {
+                                void* logits, int64_t* tokens) {
   if (x.scalar_type() == at::kBFloat16) {
     team_step<c10::BFloat16>(x, cos_rows, sin_rows, k_caches, v_caches, slot_mapping,
-                             block_tables, seq_lens, sliding_window, logits);
+                             block_tables, seq_lens, sliding_window, logits, tokens);
   } else {
     team_step<float>(x, cos_rows, sin_rows, k_caches, v_caches, slot_mapping, block_tables,
-                     seq_lens, sliding_window, logits);
+                     seq_lens, sliding_window, logits, tokens);
   }
 }
 
@@ -227,7 +230,8 @@ void DecoderStack::team_step(at::Tensor x, const void* const* cos_rows,
                              const std::vector<at::Tensor>& k_caches,
                              const std::vector<at::Tensor>& v_caches,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                             const at::Tensor& seq_lens, int64_t sliding_window, void* logits) {
+                             const at::Tensor& seq_lens, int64_t sliding_window, void* logits,
+                             int64_t* tokens) {
 #ifdef KVSERVE_INT8_DOT
   const int64_t rows = x.size(0), hidden = x.size(1);
   const TeamPlan* plan = team_plan(hidden);  // serves_team saw it
@@ -250,7 +254,10 @@ void DecoderStack::team_step(at::Tensor x, const void* const* cos_rows,
   T *down_p = down.data_ptr<T>(), *x_p = x.data_ptr<T>();
   Team team;
   ++team_steps_;
-#pragma omp parallel num_threads(at::get_num_threads())
+  // Greedy tokens: each thread's best over its share of the head's columns, combined below.
+  const int64_t team_size = at::get_num_threads();
+  std::vector<Best> best(tokens != nullptr ? team_size * rows : 0, Best{-INFINITY, -1, false});
+#pragma omp parallel num_threads(team_size)
   {
     const TeamMember member(&team);
     thread_local std::vector<T> own;  // residual [rows, hidden], h [rows, hidden], act
@@ -309,74 +316,29 @@ void DecoderStack::team_step(at::Tensor x, const void* const* cos_rows,
         norm_row(xr + r * hidden, n, h + r * hidden, hidden, static_cast<float>(ends_->eps));
       }
       (*plan->head)(h, rows, static_cast<T*>(logits));
+      if (tokens != nullptr) {  // the columns split_for gave this thread: still in its cache
+        const int64_t vocab = plan->head->N, tiles = vocab / qgemm::kRows;
+        const int64_t id = omp_get_thread_num(), share = (tiles + omp_get_num_threads() - 1) /
+                                                         omp_get_num_threads();
+        const int64_t c0 = std::min(tiles, id * share) * qgemm::kRows;
+        const int64_t c1 = std::min(tiles, (id + 1) * share) * qgemm::kRows;
+        for (int64_t r = 0; r < rows; ++r) {
+          Best b = best_of(static_cast<const T*>(logits) + r * vocab + c0, c1 - c0);
+          if (b.index >= 0) b.index += c0;
+          best[id * rows + r] = b;
+        }
+      }
     } else if (omp_get_thread_num() == 0) {
       std::memcpy(x_p, xr, sizeof(T) * rows * hidden);
     }
   }
+  for (int64_t r = 0; tokens != nullptr && r < rows; ++r) {  // the shares in column order
+    Best row{-INFINITY, -1, false};
+    for (int64_t t = 0; t < team_size; ++t) row = earlier_best(row, best[t * rows + r]);
+    tokens[r] = row.index;
+  }
 #else
   TORCH_CHECK(false, "DecoderStack: the team step needs AVX512-VNNI in this build");
-#endif
-}
-
-void DecoderStack::set_ends(at::Tensor cos_table, at::Tensor sin_table, at::Tensor norm,
-                            double eps, at::Tensor head_qweight, at::Tensor head_scales) {
-  team_checked_hidden_ = -1;  // team_plan works it out again
-  ends_ = Ends{std::move(cos_table), std::move(sin_table), std::move(norm), eps,
-               std::move(head_qweight), std::move(head_scales)};
-}
-
-std::optional<at::Tensor> DecoderStack::forward_logits(
-    const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& k_caches,
-    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t sliding_window) {
-  TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
-              "DecoderStack.forward_logits: ", layers_.size(), " layers, ", k_caches.size(),
-              " K and ", v_caches.size(), " V caches");
-#ifndef KVSERVE_INT8_DOT
-  return std::nullopt;  // no team step in this build
-#else
-  if (!ends_.has_value() || layers_.empty() || ids.dim() != 1 || ids.size(0) < 1 ||
-      ids.size(0) > kTeamRows || !team_dtype(layers_[0].norm1.scalar_type())) {
-    return std::nullopt;
-  }
-  const Ends& e = ends_.value();
-  const at::ScalarType dtype = layers_[0].norm1.scalar_type();
-  const int64_t rows = ids.size(0), dim = layers_[0].heads[2];
-  const at::Tensor& ct = e.cos_table;
-  const at::Tensor& st = e.sin_table;
-  if (positions.scalar_type() != at::kLong || positions.dim() != 1 ||
-      positions.size(0) != rows || ct.scalar_type() != at::kFloat || ct.dim() != 2 ||
-      !ct.is_contiguous() || ct.size(1) != dim || st.sizes() != ct.sizes() ||
-      st.scalar_type() != at::kFloat || !st.is_contiguous()) {
-    return std::nullopt;
-  }
-  // The embedding as LlamaForCausalLM's Int8Embedding computes it (the ids are checked there).
-  at::Tensor x = q8_embedding(ids, e.head_qweight, e.head_scales, dtype);
-  if (!serves_team(x, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
-    return std::nullopt;
-  }
-  const TeamPlan* plan = team_plan(x.size(1));  // serves_team saw it
-  if (!plan->head.has_value()) return std::nullopt;
-  const at::Tensor pos = positions.contiguous();
-  const int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(p[r] >= 0 && p[r] < ct.size(0), "DecoderStack.forward_logits: position ", p[r],
-                " is past the rotary table's ", ct.size(0), " positions");
-  }
-  // Each row's angles in the model's dtype, as RotaryEmbedding.cos_sin rounds them.
-  const at::Tensor cos = ct.index_select(0, pos).to(dtype);
-  const at::Tensor sin = st.index_select(0, pos).to(dtype);
-  const int64_t row_bytes = dim * cos.element_size();
-  std::array<const void*, kTeamRows> cos_rows{}, sin_rows{};
-  for (int64_t r = 0; r < rows; ++r) {
-    cos_rows[r] = static_cast<const char*>(cos.data_ptr()) + r * row_bytes;
-    sin_rows[r] = static_cast<const char*>(sin.data_ptr()) + r * row_bytes;
-  }
-  at::Tensor logits = at::empty({rows, plan->head->N}, x.options());
-  forward_team(x, cos_rows.data(), sin_rows.data(), k_caches, v_caches, slot_mapping,
-               block_tables, seq_lens, sliding_window, logits.data_ptr());
-  // compute_logits widens the head's output to float32
-  return dtype == at::kFloat ? logits : logits.to(at::kFloat);
 #endif
 }
 

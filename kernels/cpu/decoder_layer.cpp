@@ -170,7 +170,8 @@ void DecoderStack::forward(at::Tensor x, const at::Tensor& cos, const at::Tensor
         sin_rows.push_back(s + r * sin.stride(0) * sin.element_size());
       }
       return forward_team(x, cos_rows.data(), sin_rows.data(), k_caches, v_caches,
-                          slot_mapping, block_tables, seq_lens, sliding_window, nullptr);
+                          slot_mapping, block_tables, seq_lens, sliding_window, nullptr,
+                          nullptr);
     }
   }
   for (size_t i = 0; i < layers_.size(); ++i) {

@@ -67,7 +67,8 @@ TORCH_LIBRARY(kvserve_cpu, m) {
       .def("set_team", &kvserve::DecoderStack::set_team)
       .def("team_steps", &kvserve::DecoderStack::team_steps)
       .def("set_ends", &kvserve::DecoderStack::set_ends)
-      .def("forward_logits", &kvserve::DecoderStack::forward_logits);
+      .def("forward_logits", &kvserve::DecoderStack::forward_logits)
+      .def("forward_argmax", &kvserve::DecoderStack::forward_argmax);
   m.def("int8_dot_available() -> bool", &kvserve::int8_dot_available);
 }
 

@@ -94,25 +94,47 @@ class DecoderStack : public torch::CustomClassHolder {
                                            const at::Tensor& slot_mapping,
                                            const at::Tensor& block_tables,
                                            const at::Tensor& seq_lens, int64_t sliding_window);
+  // The same step ending in each row's greedy token instead (int64 [rows]: torch.argmax of its
+  // logits, each thread scanning the columns of the head it computed): the logits never leave
+  // the threads' caches, nor are they widened to float32.
+  std::optional<at::Tensor> forward_argmax(const at::Tensor& ids, const at::Tensor& positions,
+                                           const std::vector<at::Tensor>& k_caches,
+                                           const std::vector<at::Tensor>& v_caches,
+                                           const at::Tensor& slot_mapping,
+                                           const at::Tensor& block_tables,
+                                           const at::Tensor& seq_lens, int64_t sliding_window);
 
  private:
   const TeamPlan* team_plan(int64_t hidden) const;
   bool serves_team(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
                    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
+  static constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs
+  static bool team_dtype(at::ScalarType dtype);
+  // The LM head's rows (the vocabulary) where the team step for rows of `hidden` can end in
+  // the head, else 0.
+  int64_t team_head_rows(int64_t hidden) const;
+  std::optional<at::Tensor> logits_step(const at::Tensor& ids, const at::Tensor& positions,
+                                        const std::vector<at::Tensor>& k_caches,
+                                        const std::vector<at::Tensor>& v_caches,
+                                        const at::Tensor& slot_mapping,
+                                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                        int64_t sliding_window, bool argmax);
   // The team step on x; each row's rotary angles from cos_rows/sin_rows; with `logits` also
-  // the final norm and the LM head into it (x then keeps its input).
+  // the final norm and the LM head into it (x then keeps its input), and with `tokens` each
+  // row's argmax of them.
   // cos_rows/sin_rows and logits are in x's dtype (float32 or bfloat16: team_step's T).
   void forward_team(at::Tensor x, const void* const* cos_rows, const void* const* sin_rows,
                     const std::vector<at::Tensor>& k_caches,
                     const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    int64_t sliding_window, void* logits);
+                    int64_t sliding_window, void* logits, int64_t* tokens);
   template <typename T>
   void team_step(at::Tensor x, const void* const* cos_rows, const void* const* sin_rows,
                  const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                  const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                 const at::Tensor& seq_lens, int64_t sliding_window, void* logits);
+                 const at::Tensor& seq_lens, int64_t sliding_window, void* logits,
+                 int64_t* tokens);
 
   struct Ends {
     at::Tensor cos_table, sin_table, norm;

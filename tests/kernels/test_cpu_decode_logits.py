@@ -2,8 +2,10 @@
 logits in one parallel region (the tied int8 embedding, every layer, the final norm, the LM
 head) against the same step op by op: q8_embedding, forward without the team, rms_norm,
 q8_linear. The logits and every cache must be equal bit for bit, in float32 and bfloat16 (a
-bfloat16 head's output widened to float32, as compute_logits widens it); what the step does not
-take returns None having changed nothing; bad ids or positions get an error."""
+bfloat16 head's output widened to float32, as compute_logits widens it); forward_argmax's tokens
+are torch.argmax of those logits (ties to the first index across the threads' shares of the
+head); what the step does not take returns None having changed nothing; bad ids or positions
+get an error."""
 
 from __future__ import annotations
 
@@ -109,6 +111,42 @@ def test_logits_in_one_region_equal_the_ops(contexts: list[int], window: int, ki
             torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("contexts, tied", [([37], False), ([37, 5, 70], False),
+                                            ([20] * 8, False), ([37, 5], True)])
+def test_argmax_in_one_region_is_the_argmax_of_the_logits(contexts: list[int], tied: bool,
+                                                          threads: int,
+                                                          dtype: torch.dtype) -> None:
+    """forward_argmax: each row's torch.argmax of forward_logits' logits, the caches written
+    alike. `tied`: every head row the same, so that each thread's share holds the row's
+    maximum and the first index (thread 0's) must win."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        e = ends(torch.Generator().manual_seed(5), dtype)
+        if tied:
+            codes = torch.randint(-127, 128, (1, HIDDEN), generator=torch.Generator()
+                                  .manual_seed(3), dtype=torch.int8).repeat(VOCAB, 1)
+            e["qweight"], e["scales"] = tiles.pack_int8(codes), torch.full((VOCAB,), 0.01)
+        stack = with_ends([4, 5, 4, 5], e)
+        by_logits, by_argmax = inputs(3, contexts, 11, dtype), inputs(3, contexts, 11, dtype)
+        logits = in_one(stack, by_logits, 0)
+        tokens = stack.forward_argmax(by_argmax["ids"], by_argmax["pos"], by_argmax["k"],
+                                      by_argmax["v"], by_argmax["slots"], by_argmax["tables"],
+                                      by_argmax["lens"], 0)
+        assert stack.team_steps() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert logits is not None and tokens is not None and tokens.dtype == torch.long
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    if tied:
+        assert tokens.tolist() == [0] * len(contexts)
+    for name in ("k", "v"):
+        for a, b in zip(by_argmax[name], by_logits[name], strict=True):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_what_it_does_not_take_returns_none_untouched() -> None:
     """No ends, more rows than the team step takes, or a dense layer: None, caches as they
     were."""
@@ -165,11 +203,18 @@ def test_engine_decode_steps_run_in_one_call_with_the_same_results(
     try:
         whole = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         assert sum(taken) >= 15  # every decode step of the batch of three
+        # Greedy without logprobs: the step returns the tokens (forward_argmax)
+        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        taken.clear()
+        argmax = [list(o.outputs[0].token_ids)
+                  for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert sum(taken) >= 15
         stack = llm.engine.runner.model._fused_stack
         steps = stack.stack.team_steps()
-        monkeypatch.setattr(LlamaForCausalLM, "decode_logits", lambda *a: None)
+        monkeypatch.setattr(LlamaForCausalLM, "decode_logits", lambda *a, **k: None)
         apart = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
         assert stack.stack.team_steps() >= steps + 15  # the layers alone, still as a team
     finally:
         llm.engine.shutdown()
     assert whole == apart
+    assert argmax == [tokens for tokens, _ in whole]

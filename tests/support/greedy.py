@@ -171,8 +171,8 @@ def count_one_call_steps(monkeypatch: Any) -> list[bool]:
     taken: list[bool] = []
     call = FusedStack.decode_logits
 
-    def counted(self: FusedStack, *args: Any) -> Any:
-        logits = call(self, *args)
+    def counted(self: FusedStack, *args: Any, **kwargs: Any) -> Any:
+        logits = call(self, *args, **kwargs)
         taken.append(logits is not None)
         return logits
 
