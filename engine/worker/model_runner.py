@@ -39,7 +39,7 @@ from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.worker.input_batch import BatchInputs, decode_batch, prepare_inputs, with_history
 from engine.worker.offload import CPUOffload, offload_to_cpu
-from engine.worker.sampler import Sampler
+from engine.worker.sampler import Sampler, argmax_rows
 from kernels.selector import get_attention_backend
 
 if TYPE_CHECKING:
@@ -275,7 +275,11 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, rows: list[ScheduledRequest],
                 previous: dict[str, int]) -> StepResult:
-        """Logits of the sampling rows' hidden states, sampled."""
+        """Logits of the sampling rows' hidden states, sampled (greedy rows that ask nothing
+        else: the argmax of the head's own output, not widened to float32 first)."""
+        if self.sampler.argmax_only(rows):
+            tokens = argmax_rows(self.model.greedy_logits(hidden)).tolist()
+            return self._result(rows, *self.sampler.took_argmax(tokens))
         return self._sample_logits(self.model.compute_logits(hidden), rows, previous)
 
     def _sample_logits(self, logits: torch.Tensor, rows: list[ScheduledRequest],

@@ -1,4 +1,4 @@
-// Greedy sampling's argmax over a span of logits, float32 or bfloat16, vectorised: two AVX-512
+// Greedy sampling's argmax over a span of logits (float32, bfloat16 or float16), vectorised: two AVX-512
 // passes (the max, then its first index). The answer is torch.argmax's: the first index of the
 // largest value, NaN counted as larger than anything (the first NaN wins), -0.0 equal to +0.0.
 // Spans combine in order (`earlier_best`), so a row split over threads gets the same answer.
@@ -23,6 +23,9 @@ struct Best {
 
 #if defined(__AVX512F__)
 inline __m512 load16f(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16f(const c10::Half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
 inline __m512 load16f(const c10::BFloat16* x) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));

@@ -74,3 +74,30 @@ def test_default_keeps_the_file_in_place_and_none_dequantizes(in_place: LLM) -> 
 def test_gguf_needs_a_gguf_file(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file's quantized"):
         LLM(str(tiny_llama_dir), quantization="gguf")
+
+
+@pytest.mark.slow
+def test_greedy_rows_take_the_argmax_of_the_heads_own_output(
+        in_place: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten greedy prompts (more rows than the one-call decode step takes): their tokens are the
+    argmax of the LM head's bfloat16 output (greedy_logits, never widened to float32), the same
+    tokens as with logprobs asked (float32 logits through the sampler)."""
+    from engine.models.llama import LlamaForCausalLM
+
+    seen: list[torch.dtype] = []
+    own = LlamaForCausalLM.greedy_logits
+
+    def spy(self: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        out = own(self, hidden)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(LlamaForCausalLM, "greedy_logits", spy)
+    prompts = [f"Item {i}: the" for i in range(10)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = [list(o.outputs[0].token_ids)
+              for o in in_place.generate(prompts, greedy, use_tqdm=False)]
+    assert seen and set(seen) == {torch.bfloat16}
+    asked = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    reference = tokens_and_logprobs(in_place.generate(prompts, asked, use_tqdm=False))
+    assert tokens == [t for t, _ in reference]

@@ -31,8 +31,11 @@ def test_argmax_rows_equals_torch_argmax() -> None:
     cases.append(torch.randn(6, 96, generator=gen)[:, 8:72])  # rows 96 apart, 64 long
     for x in cases:
         assert torch.equal(OPS.argmax_rows(x), x.argmax(dim=-1)), x.shape
-    with pytest.raises(RuntimeError, match="argmax_rows: logits must be float32"):
-        OPS.argmax_rows(torch.randn(2, 8).bfloat16())
+        for dtype in (torch.bfloat16, torch.float16):  # a model's own head output
+            narrow = x.to(dtype)
+            assert torch.equal(OPS.argmax_rows(narrow), narrow.float().argmax(dim=-1)), dtype
+    with pytest.raises(RuntimeError, match="argmax_rows: logits must be float32, bfloat16"):
+        OPS.argmax_rows(torch.randn(2, 8).double())
 
 
 def test_greedy_sampling_takes_the_argmax_op(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,5 +51,7 @@ def test_greedy_sampling_takes_the_argmax_op(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(sampler.cpu_ops, "loaded", lambda: Spy())
     logits = torch.randn(3, 100)
     assert torch.equal(sampler.argmax_rows(logits), logits.argmax(-1)) and calls == [(3, 100)]
-    half = logits.bfloat16()  # not float32: torch's argmax
-    assert torch.equal(sampler.argmax_rows(half), half.argmax(-1)) and len(calls) == 1
+    narrow = logits.bfloat16()
+    assert torch.equal(sampler.argmax_rows(narrow), narrow.argmax(-1)) and len(calls) == 2
+    wide = logits.double()  # not a dtype the op takes: torch's argmax
+    assert torch.equal(sampler.argmax_rows(wide), wide.argmax(-1)) and len(calls) == 2
