@@ -48,8 +48,8 @@ inline void store16(c10::Half* out, __m512 v) {
 // ~13% of its samples). The passes of int8_path start at multiples of P (kChunkRows).
 struct QuantRows {
   int64_t M, K, P, blocks, groups;
-  // In one buffer; q and da are written whole before any read: left uninitialised (zeroing
-  // took 9 MB per linear of a 6,000-token prefill, ~2% of a serving run).
+  // In one buffer, every element written before any read: left uninitialised (zeroing took
+  // 9 MB per linear of a 6,000-token prefill, ~2% of a serving run).
   int8_t* q;     // [M, K] in groups of P rows, see above
   float* da;     // [M, blocks] block scales
   float* sums;   // [M, groups] sums of the quantized x per weight group
@@ -64,7 +64,6 @@ struct QuantRows {
     da = reinterpret_cast<float*>(buf + M * K);
     sums = da + M * blocks;
     total = sums + M * groups;
-    std::fill(sums, total + M, 0.0f);
     // Rows are independent: split them over the threads once there is enough work (a 64-row
     // step quantized serially left a core idle for ~3 ms of SmolLM2's ~48).
     const int64_t grain = std::max<int64_t>(1, 16384 / K);
@@ -87,6 +86,11 @@ struct QuantRows {
   void quantize_row(const T* xr, int64_t r) {
     const int64_t first = r / P * P, rows = std::min(P, M - first);
     int8_t* group = q + first * K + (r - first) * 4;
+    // The sums in registers, each group's stored when it ends (a division per block to find
+    // the group, and read-modify-writes of sums and total, took ~60% of the time).
+    const int64_t per_group = blocks / groups;
+    int64_t g = 0, in_group = 0;
+    float row_total = 0.0f, group_sum = 0.0f;
     for (int64_t b = 0; b < blocks; ++b) {
       const T* xb = xr + b * kBlock;
       const __m512 lo = load16(xb), hi = load16(xb + 16);
@@ -95,11 +99,17 @@ struct QuantRows {
       const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // nearest even
       const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      alignas(16) int8_t codes[kBlock];
-      _mm_store_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(qlo));
-      _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtsepi32_epi8(qhi));
-      for (int64_t c = 0; c < kBlock / 4; ++c) {
-        std::memcpy(group + (b * kBlock / 4 + c) * rows * 4, codes + 4 * c, 4);
+      const __m128i clo = _mm512_cvtsepi32_epi8(qlo), chi = _mm512_cvtsepi32_epi8(qhi);
+      if (rows == 1) {  // one row in its group: its codes in order
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(group + b * kBlock), clo);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(group + b * kBlock + 16), chi);
+      } else {
+        alignas(16) int8_t codes[kBlock];
+        _mm_store_si128(reinterpret_cast<__m128i*>(codes), clo);
+        _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), chi);
+        for (int64_t c = 0; c < kBlock / 4; ++c) {
+          std::memcpy(group + (b * kBlock / 4 + c) * rows * 4, codes + 4 * c, 4);
+        }
       }
       // The sums are of the quantized x, so that int4's mins and codes meet the same x: the
       // result is then exactly w . x' (x' the quantized x). Exact float sums instead leave
@@ -107,9 +117,15 @@ struct QuantRows {
       const float block_sum = amax / 127.0f * static_cast<float>(_mm512_reduce_add_epi32(
                                                    _mm512_add_epi32(qlo, qhi)));
       da[r * blocks + b] = amax / 127.0f;
-      sums[r * groups + b / (blocks / groups)] += block_sum;
-      total[r] += block_sum;
+      group_sum += block_sum;
+      row_total += block_sum;
+      if (++in_group == per_group) {
+        sums[r * groups + g++] = group_sum;
+        group_sum = 0.0f;
+        in_group = 0;
+      }
     }
+    total[r] = row_total;
   }
 
  private:
