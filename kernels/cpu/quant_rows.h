@@ -86,46 +86,94 @@ struct QuantRows {
   void quantize_row(const T* xr, int64_t r) {
     const int64_t first = r / P * P, rows = std::min(P, M - first);
     int8_t* group = q + first * K + (r - first) * 4;
-    // The sums in registers, each group's stored when it ends (a division per block to find
-    // the group, and read-modify-writes of sums and total, took ~60% of the time).
     const int64_t per_group = blocks / groups;
     int64_t g = 0, in_group = 0;
     float row_total = 0.0f, group_sum = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const T* xb = xr + b * kBlock;
-      const __m512 lo = load16(xb), hi = load16(xb + 16);
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // nearest even
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      const __m128i clo = _mm512_cvtsepi32_epi8(qlo), chi = _mm512_cvtsepi32_epi8(qhi);
-      if (rows == 1) {  // one row in its group: its codes in order
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(group + b * kBlock), clo);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(group + b * kBlock + 16), chi);
-      } else {
-        alignas(16) int8_t codes[kBlock];
-        _mm_store_si128(reinterpret_cast<__m128i*>(codes), clo);
-        _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), chi);
-        for (int64_t c = 0; c < kBlock / 4; ++c) {
-          std::memcpy(group + (b * kBlock / 4 + c) * rows * 4, codes + 4 * c, 4);
+    // 16 blocks at a time: their max |x| and their code sums each reduced across lanes
+    // together (reduce16), where one block at a time took two chains of shuffles per block
+    // (~65 instructions a block, most of a quantization's time).
+    for (int64_t b0 = 0; b0 < blocks; b0 += 16) {
+      const int nb = static_cast<int>(std::min<int64_t>(16, blocks - b0));
+      const __mmask16 used = static_cast<__mmask16>((1u << nb) - 1u);
+      __m512 v[16];
+      for (int i = 0; i < 16; ++i) {
+        v[i] = _mm512_setzero_ps();
+        if (i < nb) {
+          const T* xb = xr + (b0 + i) * kBlock;
+          v[i] = _mm512_max_ps(_mm512_abs_ps(load16(xb)), _mm512_abs_ps(load16(xb + 16)));
         }
+      }
+      const __m512 amax = reduce16(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+      alignas(64) float inv[16], sums16[16];
+      _mm512_store_ps(inv, _mm512_maskz_div_ps(
+                               _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                               _mm512_set1_ps(127.0f), amax));
+      const __m512 scale = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
+      _mm512_mask_storeu_ps(da + r * blocks + b0, used, scale);
+      for (int i = 0; i < 16; ++i) {
+        v[i] = _mm512_setzero_ps();
+        if (i >= nb) continue;
+        const int64_t b = b0 + i;
+        const T* xb = xr + b * kBlock;
+        const __m512 s = _mm512_set1_ps(inv[i]);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb), s));  // nearest even
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xb + 16), s));
+        const __m128i clo = _mm512_cvtsepi32_epi8(qlo), chi = _mm512_cvtsepi32_epi8(qhi);
+        if (rows == 1) {  // one row in its group: its codes in order
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(group + b * kBlock), clo);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(group + b * kBlock + 16), chi);
+        } else {
+          alignas(16) int8_t codes[kBlock];
+          _mm_store_si128(reinterpret_cast<__m128i*>(codes), clo);
+          _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), chi);
+          for (int64_t c = 0; c < kBlock / 4; ++c) {
+            std::memcpy(group + (b * kBlock / 4 + c) * rows * 4, codes + 4 * c, 4);
+          }
+        }
+        v[i] = _mm512_castsi512_ps(_mm512_add_epi32(qlo, qhi));
       }
       // The sums are of the quantized x, so that int4's mins and codes meet the same x: the
       // result is then exactly w . x' (x' the quantized x). Exact float sums instead leave
       // sum(q x') - sum(q x), with q up to 15, uncancelled (+3% perplexity on SmolLM2).
-      const float block_sum = amax / 127.0f * static_cast<float>(_mm512_reduce_add_epi32(
-                                                   _mm512_add_epi32(qlo, qhi)));
-      da[r * blocks + b] = amax / 127.0f;
-      group_sum += block_sum;
-      row_total += block_sum;
-      if (++in_group == per_group) {
-        sums[r * groups + g++] = group_sum;
-        group_sum = 0.0f;
-        in_group = 0;
+      const __m512 code_sums = reduce16(v, [](__m512 a, __m512 b) {
+        return _mm512_castsi512_ps(
+            _mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+      });
+      _mm512_store_ps(sums16,
+                      _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_castps_si512(code_sums))));
+      for (int i = 0; i < nb; ++i) {  // in block order, as one block at a time added them
+        group_sum += sums16[i];
+        row_total += sums16[i];
+        if (++in_group == per_group) {
+          sums[r * groups + g++] = group_sum;
+          group_sum = 0.0f;
+          in_group = 0;
+        }
       }
     }
     total[r] = row_total;
+  }
+
+  // Lane i of the result: op over the 16 lanes of v[i] (v is overwritten). Four rounds of
+  // pairing halves, quarters, pairs and lanes leave block q + 4 j in lane 4 q + j; a permute
+  // puts block i in lane i. The ops are max (exact in any order) and integer adds.
+  template <typename Op>
+  static __m512 reduce16(__m512 (&v)[16], Op op) {
+    for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i]'s partial, 8-15: v[2i + 1]'s
+      v[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < 4; ++i) {  // quarter q: v[4i + q]'s partial
+      v[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+    }
+    for (int i = 0; i < 2; ++i) {  // quarter q: v[8i + q]'s two lanes, then v[8i + 4 + q]'s
+      v[i] = op(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0x44),
+                _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0xEE));
+    }
+    const __m512 z = op(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, z);
   }
 
  private:
