@@ -1,7 +1,8 @@
-// Greedy sampling's argmax over a span of logits (float32, bfloat16 or float16), vectorised: two AVX-512
-// passes (the max, then its first index). The answer is torch.argmax's: the first index of the
-// largest value, NaN counted as larger than anything (the first NaN wins), -0.0 equal to +0.0.
-// Spans combine in order (`earlier_best`), so a row split over threads gets the same answer.
+// Greedy sampling's argmax over a span of logits (float32, bfloat16 or float16), vectorised:
+// two AVX-512 passes (the max, then its first index). The answer is torch.argmax's: the first
+// index of the largest value, NaN counted as larger than anything (the first NaN wins), -0.0
+// equal to +0.0. Spans combine in order (`earlier_best`), so a row split over threads gets the
+// same answer.
 #pragma once
 
 #include <cmath>
@@ -21,17 +22,6 @@ struct Best {
   bool nan;       // index is then the span's first NaN
 };
 
-#if defined(__AVX512F__)
-inline __m512 load16f(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16f(const c10::Half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-inline __m512 load16f(const c10::BFloat16* x) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-#endif
-
 template <typename T>
 Best best_of(const T* x, int64_t n) {
   if (n <= 0) return {-INFINITY, -1, false};
@@ -42,7 +32,7 @@ Best best_of(const T* x, int64_t n) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   __mmask16 unordered = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = load16f(x + i);
+    const __m512 v = load16(x + i);
     unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     mx = _mm512_max_ps(mx, v);
   }
@@ -63,7 +53,7 @@ Best best_of(const T* x, int64_t n) {
 #if defined(__AVX512F__)
   const __m512 mv = _mm512_set1_ps(m);
   for (; i + 16 <= n; i += 16) {
-    const __mmask16 eq = _mm512_cmp_ps_mask(load16f(x + i), mv, _CMP_EQ_OQ);
+    const __mmask16 eq = _mm512_cmp_ps_mask(load16(x + i), mv, _CMP_EQ_OQ);
     if (eq != 0) return {m, i + __builtin_ctz(eq), false};
   }
 #endif

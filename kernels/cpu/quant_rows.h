@@ -1,5 +1,5 @@
-// The activations of kvserve's int8-dot linears (qgemm_int8.h): loads and stores of 16 floats
-// from any float type, and QuantRows, x quantized to int8 per block of 32 in the layout the
+// The activations of kvserve's int8-dot linears (qgemm_int8.h): stores of 16 floats to any
+// float type (convert.h has the loads), and QuantRows, x quantized to int8 per block of 32 in the layout the
 // tile kernels read.
 
 #pragma once
@@ -17,14 +17,6 @@
 namespace kvserve {
 namespace qgemm {
 
-inline __m512 load16(const c10::BFloat16* s) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-inline __m512 load16(const c10::Half* s) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-}
-inline __m512 load16(const float* s) { return _mm512_loadu_ps(s); }
 
 // 16 floats stored as T, rounded to nearest even as torch rounds.
 inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
