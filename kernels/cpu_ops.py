@@ -29,7 +29,7 @@ SOURCES = [SOURCE_DIR / name for name in ("kvserve_cpu_ops.cpp", "attention.cpp"
                                           "attention_avx512.cpp", "varlen_attention.cpp",
                                           "elementwise.cpp", "qgemm.cpp", "decoder_layer.cpp",
                                           "sampling.cpp", "decode_team.cpp",
-                                          "decode_logits.cpp")]
+                                          "decode_team_rows.cpp", "decode_logits.cpp")]
 ENV_SWITCH = "KVSERVE_CPU_OPS"
 # -march=native: the library is built on the machine that runs it (the cache key holds the
 # CPU's flags). OpenMP lets `#pragma omp simd` vectorise the float reductions.

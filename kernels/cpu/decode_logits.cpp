@@ -44,7 +44,7 @@ std::optional<at::Tensor> DecoderStack::logits_step(
               "DecoderStack.forward_logits: ", layers_.size(), " layers, ", k_caches.size(),
               " K and ", v_caches.size(), " V caches");
   if (!ends_.has_value() || layers_.empty() || ids.dim() != 1 || ids.size(0) < 1 ||
-      ids.size(0) > kTeamRows || !team_dtype(layers_[0].norm1.scalar_type())) {
+      ids.size(0) > kTeamMaxRows || !team_dtype(layers_[0].norm1.scalar_type())) {
     return std::nullopt;
   }
   // The head's rows: 0 where the team step does not end in it (or, in a build without
@@ -77,7 +77,7 @@ std::optional<at::Tensor> DecoderStack::logits_step(
   const at::Tensor cos = ct.index_select(0, pos).to(dtype);
   const at::Tensor sin = st.index_select(0, pos).to(dtype);
   const int64_t row_bytes = dim * cos.element_size();
-  std::array<const void*, kTeamRows> cos_rows{}, sin_rows{};
+  std::vector<const void*> cos_rows(rows), sin_rows(rows);
   for (int64_t r = 0; r < rows; ++r) {
     cos_rows[r] = static_cast<const char*>(cos.data_ptr()) + r * row_bytes;
     sin_rows[r] = static_cast<const char*>(sin.data_ptr()) + r * row_bytes;

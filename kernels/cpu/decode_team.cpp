@@ -1,5 +1,5 @@
 // DecoderStack's decode step in one parallel region (team.h): every layer of a pure-decode
-// batch of a few rows whose linears are all kvserve's tiled int4/int8/8-/5-bit ones (kinds 4-7,
+// batch of a few rows (up to kTeamRows; past it decode_team_rows.cpp's step) whose linears are all kvserve's tiled int4/int8/8-/5-bit ones (kinds 4-7,
 // no bias), with float32 activations and cache, or bfloat16 ones (a build with AVX512-BF16,
 // whose decode attention reads a bf16 cache). The layer is decoder_layer_'s, on raw buffers:
 //
@@ -25,65 +25,16 @@
 #include "qgemm_int8.h"
 #include "rows.h"
 #include "team.h"
+#include "team_plan.h"
 
 namespace kvserve {
 
 #ifdef KVSERVE_INT8_DOT
 
-// One linear of kind 4 (int4 tiles), 5 (int8 tiles), 6 (8-bit code tiles) or 7 (5-bit code
-// tiles): its weight views, built once.
-struct TeamLinear {
-  int64_t kind, N, K, blocks, groups;
-  const void *codes, *scales;
-  at::ScalarType scale_type;
-
-  static int64_t block_bytes(int64_t kind) { return kind == 4 ? 256 : kind == 7 ? 320 : 512; }
-  TeamLinear(int64_t kind_, const at::Tensor& qweight, const at::Tensor& s)
-      : kind(kind_), N(qweight.size(0) * qgemm::kRows),
-        blocks(qweight.size(1) / block_bytes(kind_)),
-        groups(kind_ == 5 ? 1 : s.size(1)), codes(qweight.data_ptr()), scales(s.data_ptr()),
-        scale_type(s.scalar_type()) {
-    K = blocks * qgemm::kBlock;
-  }
-
-  template <typename S, typename T>
-  void run(const T* x, int64_t M, T* y) const {
-    const S* sp = static_cast<const S*>(scales);
-    const auto* u = static_cast<const uint8_t*>(codes);
-    if (kind == 4) {
-      qgemm::int8_path(qgemm::Q4<S>{u, sp, K, blocks, groups, blocks / groups}, x, M, N, K, y);
-    } else if (kind == 6) {
-      qgemm::int8_path(qgemm::U8<S>{u, sp, K, blocks, groups, blocks / groups}, x, M, N, K, y);
-    } else if (kind == 7) {
-      qgemm::int8_path(qgemm::U5<S>{u, sp, K, blocks, groups, blocks / groups}, x, M, N, K, y);
-    } else {
-      const qgemm::Q8<S> w{static_cast<const int8_t*>(codes), sp, K, blocks};
-      qgemm::int8_path(w, x, M, N, K, y);
-    }
-  }
-  // y [M, N] = x [M, K] W^T, split over the team (ends at a barrier)
-  template <typename T>
-  void operator()(const T* x, int64_t M, T* y) const {
-    if (scale_type == at::kHalf) run<c10::Half>(x, M, y);
-    else if (scale_type == at::kBFloat16) run<c10::BFloat16>(x, M, y);
-    else run<float>(x, M, y);
-  }
-};
-
-// Whether linear i is an int4/int8/5-/8-bit-code tile weight without bias of shape [N, K] (the kernels read
-// the raw buffers unchecked, so the shapes are checked here).
-// Each layer's four linears (qkv, o, gate_up, down) and the widest qkv and gate_up outputs, for
-// rows of `hidden`: what team_plan works out once.
-// With the model's ends set (set_ends) and fitting, also the LM head.
-struct TeamPlan {
-  int64_t hidden, qkv_n = 0, widest = 0;
-  at::ScalarType dtype;  // the activations', the norms' and the caches'
-  std::vector<std::array<TeamLinear, 4>> lin;
-  std::optional<TeamLinear> head;
-};
-
 namespace {
 
+// Whether linear i is an int4/int8/5-/8-bit-code tile weight without bias of shape [N, K]
+// (the kernels read the raw buffers unchecked, so the shapes are checked here).
 bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linears, int64_t i,
                  int64_t N, int64_t K) {
   const std::optional<at::Tensor> w = linears.get(3 * i), s = linears.get(3 * i + 1);
@@ -183,7 +134,7 @@ bool DecoderStack::serves_team(const at::Tensor& x, const std::vector<at::Tensor
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens) const {
   if (!team_ || !x.is_contiguous() || x.dim() != 2 || x.size(0) < 1 ||
-      x.size(0) > kTeamRows) {
+      x.size(0) > kTeamMaxRows) {
     return false;
   }
   const TeamPlan* plan = team_plan(x.size(1));
@@ -215,12 +166,17 @@ void DecoderStack::forward_team(at::Tensor x, const void* const* cos_rows,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens, int64_t sliding_window,
                                 void* logits, int64_t* tokens) {
+  const bool split = x.size(0) > kTeamRows;
   if (x.scalar_type() == at::kBFloat16) {
-    team_step<c10::BFloat16>(x, cos_rows, sin_rows, k_caches, v_caches, slot_mapping,
-                             block_tables, seq_lens, sliding_window, logits, tokens);
+    const auto step = split ? &DecoderStack::team_step_rows<c10::BFloat16>
+                            : &DecoderStack::team_step<c10::BFloat16>;
+    (this->*step)(x, cos_rows, sin_rows, k_caches, v_caches, slot_mapping, block_tables,
+                  seq_lens, sliding_window, logits, tokens);
   } else {
-    team_step<float>(x, cos_rows, sin_rows, k_caches, v_caches, slot_mapping, block_tables,
-                     seq_lens, sliding_window, logits, tokens);
+    const auto step =
+        split ? &DecoderStack::team_step_rows<float> : &DecoderStack::team_step<float>;
+    (this->*step)(x, cos_rows, sin_rows, k_caches, v_caches, slot_mapping, block_tables,
+                  seq_lens, sliding_window, logits, tokens);
   }
 }
 
@@ -316,27 +272,14 @@ void DecoderStack::team_step(at::Tensor x, const void* const* cos_rows,
         norm_row(xr + r * hidden, n, h + r * hidden, hidden, static_cast<float>(ends_->eps));
       }
       (*plan->head)(h, rows, static_cast<T*>(logits));
-      if (tokens != nullptr) {  // the columns split_for gave this thread: still in its cache
-        const int64_t vocab = plan->head->N, tiles = vocab / qgemm::kRows;
-        const int64_t id = omp_get_thread_num(), share = (tiles + omp_get_num_threads() - 1) /
-                                                         omp_get_num_threads();
-        const int64_t c0 = std::min(tiles, id * share) * qgemm::kRows;
-        const int64_t c1 = std::min(tiles, (id + 1) * share) * qgemm::kRows;
-        for (int64_t r = 0; r < rows; ++r) {
-          Best b = best_of(static_cast<const T*>(logits) + r * vocab + c0, c1 - c0);
-          if (b.index >= 0) b.index += c0;
-          best[id * rows + r] = b;
-        }
+      if (tokens != nullptr) {
+        best_of_share(static_cast<const T*>(logits), plan->head->N, rows, best.data());
       }
     } else if (omp_get_thread_num() == 0) {
       std::memcpy(x_p, xr, sizeof(T) * rows * hidden);
     }
   }
-  for (int64_t r = 0; tokens != nullptr && r < rows; ++r) {  // the shares in column order
-    Best row{-INFINITY, -1, false};
-    for (int64_t t = 0; t < team_size; ++t) row = earlier_best(row, best[t * rows + r]);
-    tokens[r] = row.index;
-  }
+  if (tokens != nullptr) combine_best(best, team_size, rows, tokens);
 #else
   TORCH_CHECK(false, "DecoderStack: the team step needs AVX512-VNNI in this build");
 #endif

@@ -109,7 +109,11 @@ class DecoderStack : public torch::CustomClassHolder {
   bool serves_team(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
                    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens) const;
-  static constexpr int64_t kTeamRows = 8;  // rows past which the op-by-op path runs
+  // Rows up to which each thread of the team step keeps its own copy of the rows and repeats
+  // their elementwise work (team_step); past it they are split over the threads
+  // (team_step_rows), and past kTeamMaxRows the op-by-op path runs.
+  static constexpr int64_t kTeamRows = 8;
+  static constexpr int64_t kTeamMaxRows = 256;
   static bool team_dtype(at::ScalarType dtype);
   // The LM head's rows (the vocabulary) where the team step for rows of `hidden` can end in
   // the head, else 0.
@@ -135,6 +139,12 @@ class DecoderStack : public torch::CustomClassHolder {
                  const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens, int64_t sliding_window, void* logits,
                  int64_t* tokens);
+  template <typename T>  // decode_team_rows.cpp
+  void team_step_rows(at::Tensor x, const void* const* cos_rows, const void* const* sin_rows,
+                      const std::vector<at::Tensor>& k_caches,
+                      const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                      int64_t sliding_window, void* logits, int64_t* tokens);
 
   struct Ends {
     at::Tensor cos_table, sin_table, norm;

@@ -316,9 +316,9 @@ int64_t rows_per_pass(const QBlocks<S, Bits>&) { return kQ4RowsPerPass; }
 template <typename S>
 int64_t rows_per_pass(const Q8<S>&) { return kMaxRowsPerPass; }
 
+// x's quantized rows against every tile of w: y [M, N] = x W^T.
 template <typename W, typename T>
-void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
-  const QuantRows a(x, M, K, blocks_per_group(w), rows_per_pass(w));
+void int8_passes(const W& w, const QuantRows& a, int64_t M, int64_t N, int64_t K, T* y) {
   // Rows in chunks whose quantized x stays in L2 while the thread's tiles pass over it (a
   // 4096-row prefill streamed all of it from L3 once per tile: ~15% slower at K 576). Each
   // thread takes one contiguous run of tiles: its weight reads are one stream the hardware
@@ -331,6 +331,30 @@ void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
       for (int64_t t = begin; t < end;) t += passes(w, a, t, end, c0, c1, N, y);
     }
   });
+}
+
+template <typename W, typename T>
+void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
+  const QuantRows a(x, M, K, blocks_per_group(w), rows_per_pass(w));
+  int8_passes(w, a, M, N, K, y);
+}
+
+// The bytes int8_path_rows' `buf` needs for x [M, K] against w.
+template <typename W>
+size_t quantized_bytes(const W& w, int64_t M, int64_t K) {
+  return QuantRows::bytes(M, K, blocks_per_group(w));
+}
+
+// int8_path in a Team whose threads split x's rows: this thread quantizes rows [r0, r1) into
+// `buf` (the same for every thread, of quantized_bytes), and after a barrier every thread's
+// tiles read all of them (ends at a barrier).
+template <typename W, typename T>
+void int8_path_rows(const W& w, const T* x, int64_t M, int64_t N, int64_t K, int64_t r0,
+                    int64_t r1, char* buf, T* y) {
+  QuantRows a(buf, M, K, blocks_per_group(w), rows_per_pass(w));
+  for (int64_t r = r0; r < r1; ++r) a.quantize_row(x + r * K, r);
+#pragma omp barrier
+  int8_passes(w, a, M, N, K, y);
 }
 
 }  // namespace qgemm

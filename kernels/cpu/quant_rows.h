@@ -50,12 +50,7 @@ struct QuantRows {
   template <typename T>
   QuantRows(const T* x, int64_t M_, int64_t K_, int64_t per_group, int64_t P_)
       : M(M_), K(K_), P(P_), blocks(K_ / kBlock), groups(K_ / kBlock / per_group) {
-    const size_t floats = static_cast<size_t>(M * (blocks + groups + 1));
-    char* buf = claim(static_cast<size_t>(M * K) + 4 * floats);
-    q = reinterpret_cast<int8_t*>(buf);  // M K is a multiple of 32: the floats stay aligned
-    da = reinterpret_cast<float*>(buf + M * K);
-    sums = da + M * blocks;
-    total = sums + M * groups;
+    lay_out(claim(bytes(M, K, blocks / groups)));
     // Rows are independent: split them over the threads once there is enough work (a 64-row
     // step quantized serially left a core idle for ~3 ms of SmolLM2's ~48).
     const int64_t grain = std::max<int64_t>(1, 16384 / K);
@@ -63,8 +58,19 @@ struct QuantRows {
       for (int64_t r = begin; r < end; ++r) quantize_row(x + r * K, r);
     });
   }
+  // The layout of x [M, K] over `buf` (of bytes(M, K, per_group) bytes) without quantizing
+  // anything: the threads of a Team each quantize their rows into the same buffer
+  // (quantize_row), every one with its own QuantRows of equal pointers.
+  QuantRows(char* buf, int64_t M_, int64_t K_, int64_t per_group, int64_t P_)
+      : M(M_), K(K_), P(P_), blocks(K_ / kBlock), groups(K_ / kBlock / per_group), external_(true) {
+    lay_out(buf);
+  }
+  static size_t bytes(int64_t M, int64_t K, int64_t per_group) {
+    const int64_t blocks = K / kBlock;
+    return static_cast<size_t>(M * K) + 4 * static_cast<size_t>(M * (blocks + blocks / per_group + 1));
+  }
   ~QuantRows() {
-    if (owned_ == nullptr) kept_busy() = false;
+    if (owned_ == nullptr && !external_) kept_busy() = false;
   }
   QuantRows(const QuantRows&) = delete;
   QuantRows& operator=(const QuantRows&) = delete;
@@ -169,6 +175,12 @@ struct QuantRows {
   }
 
  private:
+  void lay_out(char* buf) {
+    q = reinterpret_cast<int8_t*>(buf);  // M K is a multiple of 32: the floats stay aligned
+    da = reinterpret_cast<float*>(buf + M * K);
+    sums = da + M * blocks;
+    total = sums + M * groups;
+  }
   // Decode steps quantize a few rows per linear, 121 times a SmolLM2 token: the calling thread
   // keeps one buffer of up to kKeptBytes for them (malloc, free and malloc_consolidate were ~3%
   // of a batch-1 step's worker samples; with the attention's kept scores the 30 layers went
@@ -188,6 +200,7 @@ struct QuantRows {
     return kept.get();
   }
   std::unique_ptr<char[]> owned_;
+  bool external_ = false;  // laid out over a buffer the caller owns
 };
 
 }  // namespace qgemm

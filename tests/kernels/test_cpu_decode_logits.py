@@ -89,6 +89,7 @@ def with_ends(kinds: list[int], e: dict[str, Any], layers: int = 3) -> Any:
     ([37, 5, 70], 0, [5, 4, 5, 4]),
     ([1500, 900], 300, [4, 5, 4, 5]),    # a long context split over the threads, a window
     ([20] * 8, 0, [5, 5, 5, 5]),
+    ([3 + 7 * i for i in range(37)], 40, [4, 5, 4, 4]),  # the rows split over the threads
 ])
 def test_logits_in_one_region_equal_the_ops(contexts: list[int], window: int, kinds: list[int],
                                             threads: int, dtype: torch.dtype) -> None:
@@ -114,7 +115,8 @@ def test_logits_in_one_region_equal_the_ops(contexts: list[int], window: int, ki
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("contexts, tied", [([37], False), ([37, 5, 70], False),
-                                            ([20] * 8, False), ([37, 5], True)])
+                                            ([20] * 8, False), ([37, 5], True),
+                                            ([20] * 64, False), ([20] * 13, True)])
 def test_argmax_in_one_region_is_the_argmax_of_the_logits(contexts: list[int], tied: bool,
                                                           threads: int,
                                                           dtype: torch.dtype) -> None:
@@ -148,11 +150,11 @@ def test_argmax_in_one_region_is_the_argmax_of_the_logits(contexts: list[int], t
 
 
 def test_what_it_does_not_take_returns_none_untouched() -> None:
-    """No ends, more rows than the team step takes, or a dense layer: None, caches as they
+    """No ends, more rows than the team step takes (256), or a dense layer: None, caches as they
     were."""
     e = ends(torch.Generator().manual_seed(5))
     bare = make_stack(2, [4, 4, 4, 4], torch.Generator().manual_seed(7))
-    cases = [(bare, [9]), (with_ends([4, 4, 4, 4], e, 2), [9] * 9),
+    cases = [(bare, [9]), (with_ends([4, 4, 4, 4], e, 2), [9] * 257),
              (with_ends([4, 4, 4, 0], e, 2), [9])]
     for stack, contexts in cases:
         i, fresh = inputs(2, contexts, 3), inputs(2, contexts, 3)

@@ -1,6 +1,6 @@
 """DecoderStack's decode step in one parallel region (kernels/cpu/decode_team.cpp) against its
 op-by-op path: the same kernels, split by thread number and met at barriers instead of one
-OpenMP region each, must give the same hidden states and the same cache, bit for bit, in float32
+OpenMP region each (past 8 rows with the rows' elementwise work split too), must give the same hidden states and the same cache, bit for bit, in float32
 and (on a CPU with AVX512-BF16, where the build's decode attention reads a bf16 cache) in
 bfloat16."""
 
@@ -89,7 +89,10 @@ def step(stack: Any, layers: int, contexts: list[int], window: int, team: bool,
     ([37, 5, 70], 0, [5, 4, 5, 4]),       # several rows, int8 and int4 tiles
     ([1500], 0, [4, 4, 4, 4]),           # one long context: its keys split over the threads
     ([1500, 900], 300, [4, 5, 4, 5]),    # a sliding window
-    ([20] * 8, 0, [5, 5, 5, 5]),         # the most rows the team path takes
+    ([20] * 8, 0, [5, 5, 5, 5]),         # the most rows each thread copies (kTeamRows)
+    ([20] * 9, 0, [4, 4, 4, 4]),         # past it: the rows split over the threads
+    ([3 + 7 * i for i in range(37)], 40, [4, 5, 4, 4]),  # an odd count, a window
+    ([33 + i % 5 for i in range(64)], 0, [4, 4, 4, 4]),  # a 64-sequence decode step
 ])
 def test_team_step_equals_op_by_op(contexts: list[int], window: int, kinds: list[int],
                                    threads: int, dtype: torch.dtype) -> None:
@@ -114,9 +117,9 @@ def test_what_the_team_path_does_not_take_runs_op_by_op() -> None:
     """More rows than it takes, a dense linear or float16 run op by op; input the layers do not fit
     gets the op-by-op path's error, not a read past a buffer."""
     stack = make_stack(2, [4, 4, 4, 4], torch.Generator().manual_seed(3))
-    step(stack, 2, [9] * 9, 0, team=True, gen_seed=1)
+    step(stack, 2, [9] * 257, 0, team=True, gen_seed=1)  # past kTeamMaxRows
     assert stack.team_steps() == 0
-    step(stack, 2, [9] * 8, 0, team=True, gen_seed=1)
+    step(stack, 2, [9] * 256, 0, team=True, gen_seed=1)
     assert stack.team_steps() == 1
     dense = make_stack(2, [4, 4, 4, 0], torch.Generator().manual_seed(3))
     x, _ = step(dense, 2, [9], 0, team=True, gen_seed=1)
@@ -124,6 +127,7 @@ def test_what_the_team_path_does_not_take_runs_op_by_op() -> None:
     half = make_stack(2, [4, 4, 4, 4], torch.Generator().manual_seed(3), torch.float16)
     x, _ = step(half, 2, [9], 0, team=True, gen_seed=1, dtype=torch.float16)
     assert half.team_steps() == 0 and torch.isfinite(x).all()  # float16: not a team dtype
-    with pytest.raises(RuntimeError):
-        step(stack, 2, [9], 0, team=True, gen_seed=1, hidden=HIDDEN + 32)
+    for rows in (1, 9):
+        with pytest.raises(RuntimeError):
+            step(stack, 2, [9] * rows, 0, team=True, gen_seed=1, hidden=HIDDEN + 32)
     assert stack.team_steps() == 1
