@@ -1,7 +1,8 @@
 // DecoderStack's decode step in one parallel region (team.h): every layer of a pure-decode
-// batch of a few rows (up to kTeamRows; past it decode_team_rows.cpp's step) whose linears are all kvserve's tiled int4/int8/8-/5-bit ones (kinds 4-7,
-// no bias), with float32 activations and cache, or bfloat16 ones (a build with AVX512-BF16,
-// whose decode attention reads a bf16 cache). The layer is decoder_layer_'s, on raw buffers:
+// batch of a few rows (up to kTeamRows; past it decode_team_rows.cpp's step) whose linears
+// are all kvserve's tiled int4/int8/8-/5-bit ones (kinds 4-7, no bias), with float32
+// activations and cache, or bfloat16 ones (a build with AVX512-BF16, whose decode attention
+// reads a bf16 cache). The layer is decoder_layer_'s, on raw buffers:
 //
 //   each thread, privately:  its own copy of the residual rows, their norms, the SiLU
 //                            products (a few KB: recomputing them on every thread costs less

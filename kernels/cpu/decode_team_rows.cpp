@@ -77,7 +77,9 @@ void DecoderStack::team_step_rows(at::Tensor x, const void* const* cos_rows,
       const T *n1 = l.norm1.data_ptr<T>(), *n2 = l.norm2.data_ptr<T>();
       const int64_t inter = L[2].N / 2;
       const auto eps = static_cast<float>(l.eps);
-      for (int64_t r = r0; r < r1; ++r) norm_row(x_p + r * hidden, n1, h_p + r * hidden, hidden, eps);
+      for (int64_t r = r0; r < r1; ++r) {
+        norm_row(x_p + r * hidden, n1, h_p + r * hidden, hidden, eps);
+      }
       L[0](h_p, rows, r0, r1, qbuf, qkv_p);
       for (int64_t r = r0; r < r1; ++r) {  // rotate q and k, write k and v to the cache
         T* row = qkv_p + r * qkv_n;
@@ -113,7 +115,9 @@ void DecoderStack::team_step_rows(at::Tensor x, const void* const* cos_rows,
     if (logits != nullptr) {  // the final norm of this thread's rows, then the LM head
       const T* n = ends_->norm.data_ptr<T>();
       const auto eps = static_cast<float>(ends_->eps);
-      for (int64_t r = r0; r < r1; ++r) norm_row(x_p + r * hidden, n, h_p + r * hidden, hidden, eps);
+      for (int64_t r = r0; r < r1; ++r) {
+        norm_row(x_p + r * hidden, n, h_p + r * hidden, hidden, eps);
+      }
       (*plan->head)(h_p, rows, r0, r1, qbuf, static_cast<T*>(logits));
       if (tokens != nullptr) {
         best_of_share(static_cast<const T*>(logits), plan->head->N, rows, best.data());

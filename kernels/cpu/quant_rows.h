@@ -62,12 +62,14 @@ struct QuantRows {
   // anything: the threads of a Team each quantize their rows into the same buffer
   // (quantize_row), every one with its own QuantRows of equal pointers.
   QuantRows(char* buf, int64_t M_, int64_t K_, int64_t per_group, int64_t P_)
-      : M(M_), K(K_), P(P_), blocks(K_ / kBlock), groups(K_ / kBlock / per_group), external_(true) {
+      : M(M_), K(K_), P(P_), blocks(K_ / kBlock), groups(K_ / kBlock / per_group),
+        external_(true) {
     lay_out(buf);
   }
   static size_t bytes(int64_t M, int64_t K, int64_t per_group) {
     const int64_t blocks = K / kBlock;
-    return static_cast<size_t>(M * K) + 4 * static_cast<size_t>(M * (blocks + blocks / per_group + 1));
+    return static_cast<size_t>(M * K) +
+           4 * static_cast<size_t>(M * (blocks + blocks / per_group + 1));
   }
   ~QuantRows() {
     if (owned_ == nullptr && !external_) kept_busy() = false;
