@@ -339,14 +339,8 @@ void int8_path(const W& w, const T* x, int64_t M, int64_t N, int64_t K, T* y) {
   int8_passes(w, a, M, N, K, y);
 }
 
-// The bytes int8_path_rows' `buf` needs for x [M, K] against w.
-template <typename W>
-size_t quantized_bytes(const W& w, int64_t M, int64_t K) {
-  return QuantRows::bytes(M, K, blocks_per_group(w));
-}
-
 // int8_path in a Team whose threads split x's rows: this thread quantizes rows [r0, r1) into
-// `buf` (the same for every thread, of quantized_bytes), and after a barrier every thread's
+// `buf` (the same for every thread, of at least QuantRows::bytes), and after a barrier every thread's
 // tiles read all of them (ends at a barrier).
 template <typename W, typename T>
 void int8_path_rows(const W& w, const T* x, int64_t M, int64_t N, int64_t K, int64_t r0,
