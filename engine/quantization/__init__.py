@@ -8,6 +8,7 @@ loaded model (the startup line and the KV budget).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -60,8 +61,13 @@ def apply_plan(method: str, model_dtype: torch.dtype, device: torch.device) -> A
     kvserve's tile kernels were built (AVX512-VNNI: they need no bf16), a float32 model runs
     `tiled`: the layers with the tiled layout fused on their float32 activations, any other
     layer dequantized. Elsewhere every weight is dequantized to float32 before a float32
-    matmul. Off CPU (not tuned yet) every method dequantizes.
+    matmul. On CUDA the layers run kvserve's Triton kernel (kernels/triton_quant_linear.py) in
+    the model's dtype, or dequantize where triton is not installed.
     """
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return ApplyPlan("dequant", model_dtype)
+        return ApplyPlan("fused", model_dtype, "triton")
     if device.type != "cpu":
         return ApplyPlan("dequant", model_dtype)
     if model_dtype in (torch.bfloat16, torch.float16):
@@ -83,14 +89,14 @@ def make_method(method: str, plan: ApplyPlan, group_size: int | None) -> LinearM
                      f"{', '.join(QUANTIZATION_METHODS)}")
 
 
-_PROBES: dict[tuple[str, int | None, torch.dtype], str | None] = {}
+_PROBES: dict[tuple[str, int | None, torch.dtype, str], str | None] = {}
 
 
 def probe_fused(method: LinearMethod) -> str | None:
     """Runs a small fused matmul against the dequantized reference; None when it agrees, else
     why not (an op missing on this torch, or a wrong result). Cached per method and dtype."""
     group = getattr(method, "group_size", None)
-    key = (method.name, group, method.plan.compute_dtype)
+    key = (method.name, group, method.plan.compute_dtype, method.plan.kernel)
     if key not in _PROBES:
         _PROBES[key] = _run_probe(method)
     return _PROBES[key]
@@ -102,10 +108,12 @@ def _run_probe(method: LinearMethod) -> str | None:
     in_features = 2 * (getattr(method, "group_size", None) or 64)
     weight = torch.randn(64, in_features, generator=gen)
     x = torch.randn(5, in_features, generator=gen).to(dtype)
+    if method.plan.kernel == "triton" and torch.cuda.is_available():
+        weight, x = weight.cuda(), x.cuda()
     try:
         tensors = method.create_weights(weight)
         got = method.fused_matmul(x, tensors).float()
-    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+    except Exception as exc:  # a missing op, or a Triton kernel that fails to compile
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     want = x.float() @ method.dequantize(tensors).float().t()
     error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))

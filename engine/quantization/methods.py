@@ -6,9 +6,11 @@ reference the startup probe and the tests compare against). Each method runs in 
 modes, fixed at load:
 
 - `fused`: kernels that read the quantized weight directly, with the activations in the mode's
-  compute dtype: kvserve's C++ ones (kernels/cpu/qgemm.cpp, weights in the tiled layouts of
-  `tiles.py`) where they were built with AVX512-VNNI, else torch's
-  (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`);
+  compute dtype. On CPU (plan kernel "cpu") kvserve's C++ ones (kernels/cpu/qgemm.cpp, weights
+  in the tiled layouts of `tiles.py`) where they were built with AVX512-VNNI, else torch's
+  (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`); on CUDA (plan kernel
+  "triton") kvserve's Triton kernel (kernels/triton_quant_linear.py: int8 codes as they are,
+  int4 nibbles input-major, layout "kmajor");
 - `dequant`: rebuild the float weight for each call and run `F.linear` (the fallback, taken
   with a WARNING when the startup probe finds a kernel missing or wrong on this torch).
 
@@ -35,6 +37,10 @@ from engine.quantization import tiles
 DEFAULT_INT4_GROUP_SIZES = (32,)
 # Rows of the int4 kernel's packed layout come in tiles of this many output channels.
 INT4_ROW_TILE = 16
+# Above this many rows a CUDA layer dequantizes and runs cuBLAS instead of the Triton kernel
+# (prefill: compute-bound, where the weight's one extra pass costs less than the kernel's
+# per-tile dequantization). Measured on an H200 (docs/gpu_check.md).
+TRITON_MAX_FUSED_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,9 @@ class ApplyPlan:
 
     mode: str
     compute_dtype: torch.dtype
+    # Whose fused kernels: "cpu" (kvserve's C++ tiles, else torch's CPU kernels) or "triton"
+    # (kernels/triton_quant_linear.py on CUDA; the interpreter where TRITON_INTERPRET=1).
+    kernel: str = "cpu"
 
     @property
     def fuses(self) -> bool:
@@ -82,7 +91,8 @@ class LinearMethod(ABC):
     def uses_tiles(self, out_features: int, in_features: int) -> bool:
         """Whether a layer of this shape keeps kvserve's tiled layout (fused on CPU, the C++
         kernels built with AVX512-VNNI, the shape tiles)."""
-        return (self.plan.mode in ("fused", "tiled") and tiles.tile_ops() is not None
+        return (self.plan.mode in ("fused", "tiled") and self.plan.kernel == "cpu"
+                and tiles.tile_ops() is not None
                 and tiles.tiles_fit(out_features, in_features))
 
     def runs_fused(self, out_features: int, in_features: int) -> bool:
@@ -103,8 +113,13 @@ class LinearMethod(ABC):
 
     def fused_rows_limit(self, tensors: dict[str, torch.Tensor]) -> int | None:
         """`max_fused_rows` for a layer's tensors: the tiled kernels win at every row count
-        (at 64 rows SmolLM2's int4 layers take 29 ms tiled vs 81 ms in torch's kernel)."""
-        return None if "layout_tiles" in tensors else self.max_fused_rows
+        (at 64 rows SmolLM2's int4 layers take 29 ms tiled vs 81 ms in torch's kernel); the
+        Triton kernel's limit is TRITON_MAX_FUSED_ROWS."""
+        if "layout_tiles" in tensors:
+            return None
+        if self.plan.kernel == "triton":
+            return TRITON_MAX_FUSED_ROWS
+        return self.max_fused_rows
 
     def apply(self, x: torch.Tensor, tensors: dict[str, torch.Tensor],
               bias: torch.Tensor | None, fused: bool) -> torch.Tensor:
@@ -159,6 +174,8 @@ class Int8Method(LinearMethod):
     def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         if "layout_tiles" in tensors:
             return torch.ops.kvserve_cpu.q8_linear(x, tensors["qweight"], tensors["scales"])
+        if self.plan.kernel == "triton":
+            return triton_linear(x, tensors["qweight"], tensors["scales"], 8)
         return torch.ops.aten._weight_int8pack_mm(x, tensors["qweight"], tensors["scales"])
 
 
@@ -188,7 +205,8 @@ class Int4Method(LinearMethod):
 
     def supports_fused(self, out_features: int, in_features: int) -> bool:
         group = self.group_size or DEFAULT_INT4_GROUP_SIZES[0]
-        return out_features % INT4_ROW_TILE == 0 and group in INT4_GROUP_SIZES
+        return ((self.plan.kernel == "triton" or out_features % INT4_ROW_TILE == 0)
+                and group in INT4_GROUP_SIZES)
 
     def create_weights(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         out_features, in_features = weight.shape
@@ -216,12 +234,15 @@ class Int4Method(LinearMethod):
                     "layout_tiles": torch.empty(0, dtype=torch.uint8)}
         # [groups, out, 2]: the layout `_weight_int4pack_mm_for_cpu` reads.
         scale_zeros = torch.stack((scales.float(), zeros.float()), dim=-1).transpose(0, 1)
-        if self.plan.mode == "fused" and self.supports_fused(out_features, in_features):
+        fused = self.plan.mode == "fused" and self.supports_fused(out_features, in_features)
+        if fused and self.plan.kernel == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
             layout = "kernel"
         else:
             packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
             layout = "nibbles"
+            if fused:  # the Triton kernel reads them input-major: [in/2, out]
+                packed, layout = packed.t(), "kmajor"
         return {"qweight": packed.contiguous(),
                 "scale_zeros": scale_zeros.contiguous().to(
                     self.plan.compute_dtype if layout == "kernel" else self.scale_dtype()),
@@ -232,7 +253,9 @@ class Int4Method(LinearMethod):
         packed = tensors["qweight"]
         if "layout_tiles" in tensors:
             return tiles.unpack_int4(packed, tensors["scale_mins"])[0]
-        if "layout_nibbles" in tensors:
+        if "layout_nibbles" in tensors or "layout_kmajor" in tensors:
+            if "layout_kmajor" in tensors:
+                packed = packed.t()
             low, high = packed & 0xF, packed >> 4
             return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
         # The kernel layout is opaque: multiply the identity through it to read codes back.
@@ -265,8 +288,18 @@ class Int4Method(LinearMethod):
             return torch.ops.kvserve_cpu.q4_linear(x, tensors["qweight"], tensors["scale_mins"])
         scale_zeros = tensors["scale_zeros"]
         group = x.shape[1] // scale_zeros.shape[0]
+        if "layout_kmajor" in tensors:  # the Triton kernel reads the nibbles in place
+            return triton_linear(x, tensors["qweight"], scale_zeros, 4, group)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, tensors["qweight"], group,
                                                           scale_zeros)
+
+
+def triton_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int,
+                  group: int = 0) -> torch.Tensor:
+    """The Triton kernel's product (imported here: CPU installs need no triton)."""
+    from kernels.triton_quant_linear import quant_linear
+
+    return quant_linear(x, qweight, scales, bits, group)
 
 
 class QuantizedLinear(nn.Module):

@@ -84,8 +84,11 @@ class ModelRunner:
             dtype, why = auto_cpu_dtype()
             logger.info("--dtype auto: %s on this CPU: %s", str(dtype).removeprefix("torch."),
                         why)
-        # A GGUF file's Q4 blocks stay in place by default where int4 runs fused (one rank).
-        in_place = (apply_plan("int4", self.dtype, self.device).fuses
+        # A GGUF file's Q4 blocks stay in place by default where int4 runs fused (one rank, on
+        # CPU: on CUDA a file's 5- and 8-bit blocks would dequantize per call; `--quantization
+        # gguf` asks for it there).
+        in_place = (self.device.type == "cpu"
+                    and apply_plan("int4", self.dtype, self.device).fuses
                     and getattr(self.args, "tensor_parallel_size", 1) == 1
                     and getattr(self.args, "pipeline_parallel_size", 1) == 1)
         quantization = effective_quantization(self.args.quantization, self.config,

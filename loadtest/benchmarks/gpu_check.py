@@ -2,10 +2,13 @@
 
 On a CUDA machine, in one run (budget: under 8 minutes on one H200):
 1. the kernel tests compiled for CUDA (not the interpreter):
-   `pytest tests/kernels/test_triton_attention.py --kernel-device cuda`;
+   `pytest tests/kernels/test_triton_attention.py tests/kernels/test_triton_quant_linear.py
+   --kernel-device cuda`;
 2. the device's copy bandwidth, then the decode attention kernel's achieved bandwidth (KV bytes
    read / median time from `triton.testing.do_bench`) at batch 1/16/64/256 x context 1k/4k/16k,
    and prefill chunks, as a share of the copy bandwidth (target: >= 80% at batch >= 64, 4k);
+2b. the weight-only int8/int4 linears of the Llama-3-8B shapes through the Triton kernel
+   against bfloat16 and the dequantizing path, and a sweep of int4 tiles (gpu_check_quant.py);
 3. greedy parity on the GPU against transformers (a divergence allowed only where each side's
    token is in the other's top 5): the tiny model in bfloat16 eager, with CUDA graphs, with
    fp8 e4m3 and e5m2 KV caches and with int8 and int4 weights; SmolLM2 too where its package
@@ -49,7 +52,7 @@ LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers
              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
              "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
 RECORDED = ROOT / "docs" / "gpu_check.json"  # the last run on a GPU, committed by hand
-SECTIONS = ("tests", "bandwidth", "parity", "offline", "throughput")
+SECTIONS = ("tests", "bandwidth", "quant", "parity", "offline", "throughput")
 KERNEL_TESTS_TIMEOUT_S = 240
 
 
@@ -58,7 +61,8 @@ def run_kernel_tests(report: Report, device: torch.device) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/kernels/test_triton_attention.py", "--kernel-device", device.type,
+           "tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_quant_linear.py",
+           "--kernel-device", device.type,
            "--timeout", "120"]
     started = time.perf_counter()
     try:
@@ -108,10 +112,12 @@ def check(device: torch.device, small: bool, skip: Sequence[str] = (),
     from loadtest.benchmarks.gpu_check_e2e import llama8b_throughput
     from loadtest.benchmarks.gpu_check_offline import offline_throughput
     from loadtest.benchmarks.gpu_check_parity import greedy_parity
+    from loadtest.benchmarks.gpu_check_quant import quant_linears
 
     report = Report(torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)")
     sections = {"tests": lambda: run_kernel_tests(report, device),
                 "bandwidth": lambda: bandwidth(report, device, small),
+                "quant": lambda: quant_linears(report, device, small),
                 "parity": lambda: greedy_parity(report, device, small),
                 "offline": lambda: offline_throughput(report, device, small),
                 "throughput": lambda: llama8b_throughput(report, device, small, LLAMA3_8B)}

@@ -1,5 +1,6 @@
 """The GPU check's decode throughput (loadtest/benchmarks/gpu_check.py): a Llama-3-8B-shaped
-model (random bfloat16 weights) with and without CUDA graphs beside transformers' `generate`."""
+model (random bfloat16 weights) with and without CUDA graphs, and with int4 and int8 weights
+(CUDA graphs on), beside transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from engine.sampling_params import SamplingParams
 from engine.worker.model_runner import ModelRunner
 from loadtest.benchmarks.gpu_check_report import Report, release, sync
 
+QUANTIZED = ("int4", "int8")
+
 
 def _write_config(folder: Path, shape: dict[str, Any]) -> None:
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -26,11 +29,12 @@ def _write_config(folder: Path, shape: dict[str, Any]) -> None:
 
 
 def _engine_decode_tps(folder: Path, device: torch.device, dtype: torch.dtype, batch: int,
-                       graphs: bool, prompt_len: int, steps: int) -> float:
+                       graphs: bool, prompt_len: int, steps: int,
+                       quantization: str = "none") -> float:
     config = ModelConfig.from_folder(folder)
     source = ModelSource(folder, "hf", config, "llama3-8b-shape")
     args = EngineArgs(model=str(folder), load_format="dummy", enforce_eager=not graphs,
-                      max_num_seqs=batch, attention_backend="auto")
+                      max_num_seqs=batch, attention_backend="auto", quantization=quantization)
     max_len = prompt_len + steps + 16
     runner = ModelRunner(source, args, device, dtype, max_len)
     blocks_per_seq = -(-max_len // args.block_size)
@@ -87,6 +91,11 @@ def llama8b_throughput(report: Report, device: torch.device, smoke: bool,
                 key = "kvserve_graphs" if graphs else "kvserve_eager"
                 row[key] = _engine_decode_tps(folder, device, dtype, batch, graphs, prompt_len,
                                               steps)
+                release(device)
+            for method in QUANTIZED:  # weight-only, through the Triton kernel on CUDA
+                row[f"kvserve_{method}"] = _engine_decode_tps(
+                    folder, device, dtype, batch, device.type == "cuda", prompt_len, steps,
+                    method)
                 release(device)
             row["transformers"] = _hf_generate_tps(folder, device, dtype, batch, prompt_len,
                                                    steps)

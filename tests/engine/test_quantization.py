@@ -148,7 +148,7 @@ def test_apply_plan_by_dtype_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert apply_plan("int8", torch.float32, CPU) == ApplyPlan("dequant", torch.float32)
     monkeypatch.setattr(cpu_features, "read_cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert apply_plan("int4", torch.float32, CPU) == ApplyPlan("fused", torch.bfloat16)
-    assert apply_plan("int4", torch.bfloat16, torch.device("cuda")).mode == "dequant"
+    assert apply_plan("int4", torch.bfloat16, torch.device("mps")).mode == "dequant"
 
 
 def _greedy(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:

@@ -3,11 +3,7 @@ compiled on a GPU when one is present), and the tiny model end to end through th
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -21,29 +17,9 @@ from kernels.cpu_attention import CpuAttentionBackend  # noqa: E402
 from kernels.metadata import AttentionMetadata  # noqa: E402
 from kernels.selector import get_attention_backend  # noqa: E402
 from tests.support import paged_batches  # noqa: E402
+from tests.support.triton_interpreter import import_kernels  # noqa: E402
 
-
-def import_kernels() -> ModuleType:
-    """kernels.triton_attention, compiled on CUDA, else built for Triton's CPU interpreter.
-
-    triton.jit picks interpreter or compiler at decoration time, triton's own library
-    functions included, and conftest's imports (torch, transformers) have usually imported
-    triton already: then triton is imported afresh with TRITON_INTERPRET=1.
-    """
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-        standard = sys.modules.get("triton.language.standard")
-        if standard is not None and type(standard.zeros).__name__ != "InterpretedFunction":
-            # triton._C (the compiled extension) cannot be loaded twice: keep it.
-            stale = [name for name in sys.modules if name == "kernels.triton_attention" or (
-                (name == "triton" or name.startswith("triton.")) and
-                not name.startswith("triton._C"))]
-            for name in stale:
-                del sys.modules[name]
-    return importlib.import_module("kernels.triton_attention")
-
-
-triton_ops = import_kernels()
+triton_ops = import_kernels("kernels.triton_attention")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZE = 16
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

@@ -31,10 +31,15 @@ def test_smoke_run_writes_every_section(tmp_path: Path) -> None:
     assert variants["int4 weights"]["reference"] == "kvserve on CPU, same method"
     assert data["offline"]["kvserve"]["tokens_per_s"] > 0
     assert data["offline"]["generate_batch"]["output_tokens"] == 8 * 8
-    assert set(data["seconds"]) == {"bandwidth", "parity", "offline", "throughput"}
+    assert set(data["seconds"]) == {"bandwidth", "quant", "parity", "offline", "throughput"}
+    # the quantized linears' torch paths (the Triton kernel needs a GPU or the interpreter)
+    assert {(r["shape"], r["rows"]) for r in data["quant_linears"]["rows"]} == {("o", 1),
+                                                                               ("o", 20)}
+    assert all(r["bf16_ms"] > 0 and r["dequant_int4_ms"] > 0
+               for r in data["quant_linears"]["rows"])
     assert [row["batch"] for row in data["llama8b_decode"]] == [1, 4]
-    assert all(row["kvserve_eager"] > 0 and row["transformers"] > 0
-               for row in data["llama8b_decode"])
+    assert all(row["kvserve_eager"] > 0 and row["transformers"] > 0 and row["kvserve_int4"] > 0
+               and row["kvserve_int8"] > 0 for row in data["llama8b_decode"])
     names = [row[0] for row in data["summary"]]
     assert any(name.startswith("parity tiny llama") for name in names)
     assert out.with_suffix(".md").read_text().startswith("Device: cpu (smoke)")
