@@ -139,9 +139,15 @@ class QuantizationReport:
 def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
                    device: torch.device, group_size: int | None = None,
                    plan: ApplyPlan | None = None,
-                   checkpoint: CheckpointCodes | None = None) -> QuantizationReport:
+                   checkpoint: CheckpointCodes | None = None,
+                   place: torch.device | None = None) -> QuantizationReport:
     """Replaces the decoder's linear layers (and the LM head, see LM_HEAD_METHOD) of a loaded
-    float model by QuantizedLinears. Call with float32 weights, then cast the rest.
+    float model by QuantizedLinears on `device`. Call with float32 weights, then cast the rest.
+    The float weights may sit in host memory (a CUDA model loads there first): each goes to
+    `device` only to be quantized, so the device never holds the float model; the rest of
+    the model stays where it is (`place_on_device` moves it). `place` puts the layers
+    elsewhere than `device`, whose kernels they are planned for: host memory under
+    --cpu-offload-gb, which then moves the resident share over itself.
 
     `plan` overrides `apply_plan` (benchmarks). When the fused kernel fails the probe, every
     layer dequantizes instead and a WARNING says why. With `checkpoint` (an AWQ or GPTQ
@@ -186,12 +192,12 @@ def quantize_model(model: nn.Module, method: str, model_dtype: torch.dtype,
                 tensors = make_method("int4", plan, None).create_weights(module.weight.detach())
             else:
                 layer_method, tensors = checkpoint_tensors(codes, linear_method)
-        layer = QuantizedLinear(module, layer_method, tensors)
+        layer = QuantizedLinear(module, layer_method, tensors, place or device)
         fused += layer.fused
         compute_dtype = layer.activation_dtype or model_dtype
         _replace(model, name, layer)
     head_method = LM_HEAD_METHOD.get(method, "none")  # awq/gptq: as the checkpoint stores it
-    _quantize_lm_head(model, head_method, plan, group_size, model_dtype)
+    _quantize_lm_head(model, head_method, plan, group_size, model_dtype, place or device)
     return QuantizationReport(method, len(parts) if checkpoint is not None else len(targets),
                               fused, compute_dtype, head_method, reason)
 
@@ -226,7 +232,8 @@ def checkpoint_parts(model: nn.Module, checkpoint: CheckpointCodes) -> dict[str,
 
 
 def _quantize_lm_head(model: nn.Module, head_method: str, plan: ApplyPlan,
-                      group_size: int | None, model_dtype: torch.dtype) -> None:
+                      group_size: int | None, model_dtype: torch.dtype,
+                      device: torch.device) -> None:
     """The LM head in `head_method`; a tied embedding reads the same int8 codes."""
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or head_method == "none":
@@ -239,7 +246,7 @@ def _quantize_lm_head(model: nn.Module, head_method: str, plan: ApplyPlan,
     method.max_fused_rows = None
     embed = getattr(model, "embed_tokens", None)
     tied = isinstance(embed, nn.Embedding) and embed.weight is head.weight
-    quantized = QuantizedLinear(head, method)
+    quantized = QuantizedLinear(head, method, device=device)
     _replace(model, "lm_head", quantized)
     if tied and isinstance(method, Int8Method):
         _replace(model, "embed_tokens", Int8Embedding(quantized, model_dtype))

@@ -306,23 +306,27 @@ class QuantizedLinear(nn.Module):
     """A linear layer whose weight lives in a LinearMethod's format (buffers, not parameters)."""
 
     def __init__(self, linear: nn.Linear, method: LinearMethod,
-                 tensors: dict[str, torch.Tensor] | None = None) -> None:
+                 tensors: dict[str, torch.Tensor] | None = None,
+                 device: torch.device | None = None) -> None:
         """`tensors`: the method's tensors when they come ready-made (a quantized checkpoint's
-        codes); else they are made from the float weight."""
+        codes); else they are made from the float weight. `device`: where the layer lives
+        (default: the float weight's device); a float weight in host memory is quantized
+        there, one layer's worth of floats at a time (a CUDA model loaded on the host first)."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.method = method
         self.fused = method.runs_fused(self.out_features, self.in_features)
         self._names: list[str] = []
+        device = device or linear.weight.device
         if tensors is None:
-            tensors = method.create_weights(linear.weight.detach())
+            tensors = method.create_weights(linear.weight.detach().to(device))
         for name, tensor in tensors.items():
-            self.register_buffer(name, tensor)
+            self.register_buffer(name, tensor.to(device))
             self._names.append(name)
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if linear.bias is None else
-                             linear.bias.detach().to(method.plan.compute_dtype))
+                             linear.bias.detach().to(device, method.plan.compute_dtype))
 
     @property
     def activation_dtype(self) -> torch.dtype | None:

@@ -38,7 +38,7 @@ from engine.quantization.checkpoint import (
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.worker.input_batch import BatchInputs, decode_batch, prepare_inputs, with_history
-from engine.worker.offload import CPUOffload, offload_to_cpu
+from engine.worker.offload import CPUOffload, offload_to_cpu, place_on_device
 from engine.worker.sampler import Sampler, argmax_rows
 from kernels.selector import get_attention_backend
 
@@ -103,10 +103,12 @@ class ModelRunner:
                 checkpoint = CheckpointCodes(quant)
         # Quantized methods start from float32 weights (not ones already rounded to 16 bits).
         load_dtype = self.dtype if quantization == "none" else torch.float32
-        # With an offload budget on CUDA the model loads in host memory first: the part that
-        # stays there never takes GPU memory, the rest moves over (engine/worker/offload.py).
+        # On CUDA with an offload budget or a quantization method the model loads in host
+        # memory first: the offloaded part never takes GPU memory (engine/worker/offload.py),
+        # and the float32 weights a method starts from go to the GPU one layer at a time to
+        # be quantized, so a model whose float32 copy outgrows the GPU still loads.
         offload = self.args.cpu_offload_gb > 0
-        host_first = offload and self.device.type == "cuda"
+        host_first = self.device.type == "cuda" and (offload or quantization != "none")
         with torch.device("meta"):
             model = build_model(self.config, self.backend, max_model_len, self.device,
                                 self.parallel) if self.stage is None else \
@@ -128,7 +130,8 @@ class ModelRunner:
         how = "unquantized"
         if quantization != "none":
             report = quantize_model(model, quantization, self.dtype, self.device,
-                                    self.args.quantization_group_size, checkpoint=checkpoint)
+                                    self.args.quantization_group_size, checkpoint=checkpoint,
+                                    place=torch.device("cpu") if offload else None)
             cast_float_parameters(model, self.dtype)
             how = (f"--quantization {quantization}: {report.fused_layers} of {report.layers} "
                    f"linear layers on a fused {'int8' if quantization == 'int8' else 'int4'} kernel, "
@@ -137,6 +140,8 @@ class ModelRunner:
                    f"{report.lm_head}")
         if self.device.type == "cpu":
             pack_linears(model)
+        if host_first and not offload:
+            place_on_device(model, self.device)  # the norms, embedding, any float layer
         self.offload = offload_to_cpu(model, self.args.cpu_offload_gb, self.device) \
             if offload else None
         self._weight_bytes = resident_weight_bytes(model) - self.offloaded_bytes()

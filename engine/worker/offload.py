@@ -231,7 +231,7 @@ def offload_to_cpu(model: LlamaForCausalLM, cpu_offload_gb: float, device: torch
             host = host_copy(tensor, device)
             tensor.data = host  # the device (or loaded) copy is freed here
             per_layer.setdefault(index, []).append(OffloadedTensor(name, tensor, host))
-        _place_resident(model, device, {id(t) for _, _, t in candidates[:count]})
+        place_on_device(model, device, {id(t) for _, _, t in candidates[:count]})
     for index, tensors in per_layer.items():
         offload.tensors.extend(tensors)
         offload.layers[index] = OffloadedLayer(model.layers[index], tensors, device,
@@ -240,8 +240,10 @@ def offload_to_cpu(model: LlamaForCausalLM, cpu_offload_gb: float, device: torch
     return offload
 
 
-def _place_resident(model: nn.Module, device: torch.device, offloaded: set[int]) -> None:
-    """Moves every weight not offloaded onto `device` (a no-op where it is there already)."""
+def place_on_device(model: nn.Module, device: torch.device,
+                    offloaded: frozenset[int] | set[int] = frozenset()) -> None:
+    """Moves every weight not offloaded (by id) onto `device` (a no-op where it is there
+    already): after a model loaded in host memory was quantized or partly offloaded."""
     seen: set[int] = set()
     for module in model.modules():
         for _, tensor in _module_tensors(module):

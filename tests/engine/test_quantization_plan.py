@@ -1,5 +1,6 @@
 """`--quantization`: resident weight bytes against the formula `kvserve plan` uses, the plan's
-KV budget, and the command lines that take the flag."""
+KV budget, the command lines that take the flag, and a model in host memory quantized onto
+its device (how a CUDA model loads)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from engine import LLM
 from engine.config import EngineArgs, ModelConfig
 from engine.planner import add_plan_arguments, build_plan, format_plan
-from engine.quantization import quantized_weight_bytes
+from engine.quantization import QuantizedLinear, quantize_model, quantized_weight_bytes
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
@@ -93,3 +95,38 @@ def test_command_line_generate_and_plan_take_quantization(
         main(["generate", str(tiny_llama_dir), "--quantization", "fp4"])
     assert refused.value.code == 2
     assert "invalid choice: 'fp4'" in capsys.readouterr().err
+
+
+class _HostModel(nn.Module):
+    """Two linears, a norm weight and an LM head tied to the embedding, in host memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList([nn.Linear(32, 64), nn.Linear(64, 32, bias=False)])
+        self.norm = nn.Parameter(torch.ones(32))
+        self.lm_head = nn.Linear(32, 64, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_model_in_host_memory_is_quantized_onto_its_device(method: str) -> None:
+    # A CUDA model with --quantization loads in host memory (ModelRunner._load_model): each
+    # float weight goes to the device only to be quantized, so the device never holds the
+    # float model. `meta` stands for the device here (shapes only, no GPU needed).
+    model, meta = _HostModel(), torch.device("meta")
+    floats = [layer.weight for layer in model.layers]
+    quantize_model(model, method, torch.bfloat16, meta, group_size=32)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 3 and not any(isinstance(m, nn.Linear) for m in model.modules())
+    for layer in layers:  # codes, scales and bias made on the device
+        assert {t.device for t in layer.buffers()} == {meta}
+    assert all(w.device.type == "cpu" for w in floats)  # the floats never moved over whole
+    # the rest stays for the runner's place_on_device (a CPU-to-meta `.data` swap is not
+    # allowed, a CPU-to-CUDA one is: engine/worker/offload.py)
+    assert model.norm.device.type == "cpu"
+    # Under --cpu-offload-gb the layers stay in host memory, planned for the device's kernels.
+    offloaded = _HostModel()
+    quantize_model(offloaded, method, torch.bfloat16, meta, group_size=32,
+                   place=torch.device("cpu"))
+    assert {t.device.type for t in offloaded.buffers()} == {"cpu"}
