@@ -55,7 +55,14 @@ def test_the_capture_covers_the_issue_matrix() -> None:
     ptrs = set().union(*(a["ptrs"] for a in attention))
     assert {"*fp16", "*bf16", "*fp32", "*fp8e4nv", "*fp8e5"} <= ptrs
     kernels = {launch.kernel for launch in launches}
-    assert kernels == {"_cache_kernel", "_attention_kernel", "_reduce_kernel"}
+    assert kernels == {"_cache_kernel", "_attention_kernel", "_reduce_kernel",
+                       "_quant_linear_kernel"}
+    quant = [dict(launch.constexprs) | {"ptrs": {t for _, t in launch.signature}}
+             for launch in launches if launch.kernel == "_quant_linear_kernel"]
+    assert {q["BITS"] for q in quant} == {4, 8} and {q["IEEE"] for q in quant} == {False, True}
+    assert {q["BLOCK_M"] for q in quant} == {16, 32, 64}  # decode rows up to 64, then prefill
+    assert {q["BLOCK_N"] for q in quant} >= {64, 128, 256} and all("num_warps" in q for q in quant)
+    assert any("*fp32" in q["ptrs"] and "*bf16" in q["ptrs"] for q in quant)  # split partials
 
 
 def test_guard_messages_name_what_works(monkeypatch: pytest.MonkeyPatch) -> None:

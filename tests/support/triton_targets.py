@@ -34,9 +34,10 @@ SHARED_LIMIT = {80: 166912, 89: 101376, 90: 232448}
 MAX_REGISTERS = 255
 MAX_SPILL_BYTES = 8  # local memory per thread a kernel may use before it counts as spilling
 KERNELS = ("_cache_kernel", "_attention_kernel", "_reduce_kernel")
+QUANT_KERNEL = "_quant_linear_kernel"  # kernels/triton_quant_linear.py
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int32: "i32",
-                torch.int64: "i64", torch.uint8: "u8"}
+                torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,12 @@ class _Recorder:
             names = self.jit.arg_names
             signature = [(n, _arg_type(a)) for n, a in zip(names, args, strict=False)]
             signature += [(n, "constexpr") for n in names[len(args):]]
+            # the launch options (warps, pipeline stages) ride along as constexprs
+            options = tuple((k, constexprs[k]) for k in ("num_warps", "num_stages")
+                            if k in constexprs)
             self.sink.append(Launch(self.name, tuple(signature),
-                                    tuple((n, constexprs[n]) for n in names[len(args):]),
+                                    tuple((n, constexprs[n]) for n in names[len(args):])
+                                    + options,
                                     TRITON_TYPES[self.kv.dtype], int(self.kv.shape[1])))
         return launch
 
@@ -159,10 +164,35 @@ def shapes() -> Iterator[Shape]:
     yield Shape(window=4096)
 
 
+# The quantized linears' launches: each tiling `pick_config` gives (rows up to 16, 32, 64 and
+# past 64; split or not), for int8 and int4 codes, activations in each dtype.
+QUANT_ROWS = (1, 24, 64, 256)
+
+
+def _quant_launches() -> list[Launch]:
+    from kernels import triton_quant_linear as tq
+
+    launches: list[Launch] = []
+    jit = tq._quant_linear_kernel
+    marker = torch.empty(1, 16, dtype=torch.bfloat16)  # no KV cache: any guard passes
+    try:
+        tq._quant_linear_kernel = _Recorder(QUANT_KERNEL, jit, launches, marker)
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for rows in QUANT_ROWS:
+                x = torch.empty(rows, 4096, dtype=dtype)
+                tq.quant_linear(x, torch.empty(2048, 4096, dtype=torch.uint8),
+                                torch.empty(128, 4096, 2, dtype=dtype), 4, 32)
+                tq.quant_linear(x, torch.empty(4096, 4096, dtype=torch.int8),
+                                torch.empty(4096, dtype=dtype), 8)
+    finally:
+        tq._quant_linear_kernel = jit
+    return launches
+
+
 def specializations(max_num_seqs: int = 256, max_model_len: int = 8192) -> list[Launch]:
     """Every distinct launch the launchers make over the shapes x batches, plus the decode
     steps CUDA graphs capture (each captured batch size, sequence lengths at the static bound
-    the graph runner gives them)."""
+    the graph runner gives them), plus the quantized linears' tilings."""
     found: dict[Launch, None] = {}
     for shape in shapes():
         for query_lens, seq_lens in BATCHES.values():
@@ -174,6 +204,7 @@ def specializations(max_num_seqs: int = 256, max_model_len: int = 8192) -> list[
     for size in capture_sizes(max_num_seqs):
         meta = buffers.metadata(size, base.block_size, max_model_len, None, None)
         found.update(dict.fromkeys(_run_launchers(base, meta, max_model_len)))
+    found.update(dict.fromkeys(_quant_launches()))
     return list(found)
 
 
@@ -200,13 +231,18 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     from triton.compiler import ASTSource
 
     from kernels import triton_attention as ta
+    from kernels import triton_quant_linear as tq
 
     signature = dict(launch.signature)
     names = list(signature)
-    source = ASTSource(getattr(ta, launch.kernel), signature,
-                       constexprs={(names.index(k),): v for k, v in launch.constexprs})
+    constexprs = dict(launch.constexprs)
+    # launch options (warps, pipeline stages) travel with the constexprs; Triton takes them apart
+    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+    source = ASTSource(getattr(tq if launch.kernel == QUANT_KERNEL else ta, launch.kernel),
+                       {k: v for k, v in signature.items() if k not in options},
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as exc:  # CompilationError or a backend error, by Triton version
         return {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return {"ok": True, "shared": int(compiled.metadata.shared),
