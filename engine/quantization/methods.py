@@ -88,6 +88,11 @@ class LinearMethod(ABC):
         """Whether the fused kernel takes this shape (else the layer dequantizes)."""
         return True
 
+    def matmul_weight(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The float weight a dequantizing call multiplies by: `dequantize`'s, unless a kernel
+        builds the same values faster (int4's input-major codes on the Triton path)."""
+        return self.dequantize(tensors)
+
     def uses_tiles(self, out_features: int, in_features: int) -> bool:
         """Whether a layer of this shape keeps kvserve's tiled layout (fused on CPU, the C++
         kernels built with AVX512-VNNI, the shape tiles)."""
@@ -136,7 +141,7 @@ class LinearMethod(ABC):
         if fused and (limit is None or x.shape[0] <= limit):
             y = self.fused_matmul(x.contiguous(), tensors)
         else:
-            y = F.linear(x, self.dequantize(tensors))
+            y = F.linear(x, self.matmul_weight(tensors))
         y = y.to(dtype)
         return y if bias is None else y + bias
 
@@ -282,6 +287,15 @@ class Int4Method(LinearMethod):
         zeros = scale_zeros[..., 1].t().float()[..., None]
         w = (codes.reshape(out_features, groups, -1).float() - 8.0) * scales + zeros
         return w.reshape(out_features, in_features).to(self.plan.compute_dtype)
+
+    def matmul_weight(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "layout_kmajor" not in tensors:
+            return self.dequantize(tensors)
+        from kernels.triton_quant_linear import dequantize_int4
+
+        qweight, scale_zeros = tensors["qweight"], tensors["scale_zeros"]
+        group = 2 * qweight.shape[0] // scale_zeros.shape[0]
+        return dequantize_int4(qweight, scale_zeros, group, self.plan.compute_dtype).t()
 
     def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         if "layout_tiles" in tensors:

@@ -2,10 +2,10 @@
 
 For the Llama-3-8B decoder's linear shapes at decode and prefill row counts: ms per product of
 int4 (groups of 32, the default at load) and int8 through the Triton kernel, beside the
-bfloat16 matmul (cuBLAS) and the fallback that dequantizes the weight before a bfloat16 matmul
-(what every layer did on CUDA before the kernel, and what a layer past the kernel's row limit
-still does); weight bytes read per second at one row against the copy bandwidth; and a sweep of
-tiles at 1 and 64 rows. On CPU (the smoke run) the kernel needs Triton's interpreter, which
+bfloat16 matmul (cuBLAS), the torch ops that dequantize the weight before a bfloat16 matmul
+(what every layer did on CUDA before the kernel) and the int4 dequantizing kernel before one
+(what a layer past the fused kernel's row limit does); weight bytes read per second at one
+row against the copy bandwidth; and a sweep of tiles at 1 and 64 rows. On CPU (the smoke run) the kernel needs Triton's interpreter, which
 this process does not run in: the section times the torch paths of tiny shapes only.
 """
 
@@ -77,7 +77,8 @@ def quant_linears(report: Report, device: torch.device, small: bool) -> None:
         report.add(f"int4 linears, {rows} rows (8B layer)",
                    f"triton {sum(r['int4_ms'] for r in at):.3f} ms, int8 "
                    f"{sum(r['int8_ms'] for r in at):.3f}, bf16 {sum(r['bf16_ms'] for r in at):.3f},"
-                   f" dequant+bf16 {sum(r['dequant_int4_ms'] for r in at):.3f}")
+                   f" dequant+bf16 {sum(r['dequant_int4_ms'] for r in at):.3f}, dequant kernel"
+                   f"+bf16 {sum(r['dequant_kernel_int4_ms'] for r in at):.3f}")
     if sweep:
         best: dict[tuple[str, int], dict[str, Any]] = {}
         for entry in sweep:
@@ -101,7 +102,9 @@ def _time_product(x: torch.Tensor, weight: torch.Tensor,
     row = {"bf16_ms": timed(lambda: F.linear(x, dense), device),
            "dequant_int4_ms": timed(lambda: F.linear(x, int4.dequantize(tensors["int4"])),
                                     device)}
-    if on_gpu:
+    if on_gpu:  # the dequantizing kernel (past the fused kernel's row limit), then the fused
+        row["dequant_kernel_int4_ms"] = timed(
+            lambda: F.linear(x, int4.matmul_weight(tensors["int4"])), device)
         for key, method in methods.items():
             row[f"{key}_ms"] = timed(partial(method.fused_matmul, x, tensors[key]), device)
         row["int4_gbs"] = _int4_bytes(*weight.shape) / row["int4_ms"] / 1e6

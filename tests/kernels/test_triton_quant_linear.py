@@ -88,6 +88,19 @@ def test_int8_scales_each_output_channel(rows: int, config: tq.TileConfig | None
     _check(got, x, codes.to(dtype), scales.float())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features, in_features, group", [(48, 128, 32), (40, 256, 128)])
+def test_dequantizing_kernel_builds_the_weight_its_codes_stand_for(
+        out_features: int, in_features: int, group: int, dtype: torch.dtype) -> None:
+    _, packed, scale_zeros, weight = _int4(1, out_features, in_features, group, dtype)
+    got = tq.dequantize_int4(packed.to(DEVICE), scale_zeros.to(DEVICE), group, dtype)
+    assert got.shape == (in_features, out_features) and got.dtype == dtype
+    if DEVICE.type == "cpu":  # the interpreter computes as the reference does
+        assert torch.equal(got.t(), weight)
+    else:  # a GPU may fuse the scale and the offset into one rounding
+        torch.testing.assert_close(got.t().cpu(), weight, rtol=2**-7, atol=1e-6)
+
+
 def test_picked_configs_fill_the_gpu_and_tile_the_inputs() -> None:
     for rows in (1, 8, 16, 32, 64, 65, 512):
         for out_features, in_features, group in ((4096, 4096, 128), (1024, 4096, 32),
@@ -147,15 +160,17 @@ def test_layers_on_the_triton_plan_read_their_codes_in_place(
         assert torch.equal(method.unpack_codes(tensors), nibbles.unpack_codes(
             nibbles.create_weights(linear.weight.detach())).to(DEVICE))
     calls: list[int] = []
-    kernel = tq.quant_linear
+    kernel, dequant = tq.quant_linear, tq.dequantize_int4
     monkeypatch.setattr(tq, "quant_linear", lambda x, *a: calls.append(len(x)) or kernel(x, *a))
+    monkeypatch.setattr(tq, "dequantize_int4", lambda *a: calls.append(0) or dequant(*a))
     x = torch.randn(6, 256, device=DEVICE)
     want = x @ layer.dequantized_weight().t() + linear.bias.detach().to(DEVICE)
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
-    # Past the row limit a layer dequantizes and runs one float matmul (prefill on CUDA).
+    # Past the row limit a layer dequantizes and runs one float matmul (prefill on CUDA):
+    # int4's codes through the dequantizing kernel, int8's by two torch ops.
     monkeypatch.setattr(methods, "TRITON_MAX_FUSED_ROWS", 4)
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
-    assert calls == [6]
+    assert calls == ([6, 0] if name == "int4" else [6])
 
 
 def test_cuda_plans_the_triton_kernel_unless_triton_is_missing(

@@ -34,7 +34,7 @@ SHARED_LIMIT = {80: 166912, 89: 101376, 90: 232448}
 MAX_REGISTERS = 255
 MAX_SPILL_BYTES = 8  # local memory per thread a kernel may use before it counts as spilling
 KERNELS = ("_cache_kernel", "_attention_kernel", "_reduce_kernel")
-QUANT_KERNEL = "_quant_linear_kernel"  # kernels/triton_quant_linear.py
+QUANT_KERNELS = ("_quant_linear_kernel", "_dequant_int4_kernel")  # triton_quant_linear.py
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int32: "i32",
                 torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
@@ -173,19 +173,24 @@ def _quant_launches() -> list[Launch]:
     from kernels import triton_quant_linear as tq
 
     launches: list[Launch] = []
-    jit = tq._quant_linear_kernel
+    originals = {name: getattr(tq, name) for name in QUANT_KERNELS}
     marker = torch.empty(1, 16, dtype=torch.bfloat16)  # no KV cache: any guard passes
     try:
-        tq._quant_linear_kernel = _Recorder(QUANT_KERNEL, jit, launches, marker)
+        for name, jit in originals.items():
+            setattr(tq, name, _Recorder(name, jit, launches, marker))
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            codes, scale_zeros = (torch.empty(2048, 4096, dtype=torch.uint8),
+                                  torch.empty(128, 4096, 2, dtype=dtype))
             for rows in QUANT_ROWS:
                 x = torch.empty(rows, 4096, dtype=dtype)
-                tq.quant_linear(x, torch.empty(2048, 4096, dtype=torch.uint8),
-                                torch.empty(128, 4096, 2, dtype=dtype), 4, 32)
+                tq.quant_linear(x, codes, scale_zeros, 4, 32)
                 tq.quant_linear(x, torch.empty(4096, 4096, dtype=torch.int8),
                                 torch.empty(4096, dtype=dtype), 8)
+            for group in (32, 128):
+                tq.dequantize_int4(codes, scale_zeros[: 4096 // group], group, dtype)
     finally:
-        tq._quant_linear_kernel = jit
+        for name, jit in originals.items():
+            setattr(tq, name, jit)
     return launches
 
 
@@ -238,7 +243,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, Any]:
     constexprs = dict(launch.constexprs)
     # launch options (warps, pipeline stages) travel with the constexprs; Triton takes them apart
     options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
-    source = ASTSource(getattr(tq if launch.kernel == QUANT_KERNEL else ta, launch.kernel),
+    source = ASTSource(getattr(tq if launch.kernel in QUANT_KERNELS else ta, launch.kernel),
                        {k: v for k, v in signature.items() if k not in options},
                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
     try:
