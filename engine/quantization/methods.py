@@ -39,7 +39,9 @@ DEFAULT_INT4_GROUP_SIZES = (32,)
 INT4_ROW_TILE = 16
 # Above this many rows a CUDA layer dequantizes and runs cuBLAS instead of the Triton kernel
 # (prefill: compute-bound, where the weight's one extra pass costs less than the kernel's
-# per-tile dequantization). Measured on an H200 (docs/gpu_check.md).
+# per-tile dequantization). Set from an H200 run with torch ops dequantizing (docs/gpu_check.md:
+# an 8B layer's int4 linears at 256 rows 3.9 ms fused vs 5.1, at 1,024 rows 12.0 vs 5.5); int4's
+# dequantizing kernel came after it and is not timed yet, so the crossover may sit lower.
 TRITON_MAX_FUSED_ROWS = 256
 
 
