@@ -140,6 +140,50 @@ def dequantize_int4(qweight: torch.Tensor, scale_zeros: torch.Tensor, group: int
     return out
 
 
+@triton.jit
+def _dequant_tinygemm_kernel(w_ptr, s_ptr, out_ptr, N, K_OUTER, stride_sg, stride_sn,
+                             GROUP: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """tinygemm's int32 layout [out/8, in/(16 TILES), 32, TILES/2] -> the weight's transpose
+    [in, out]: BLOCK_N outputs x one ko (16 TILES inputs) a program, the rows of the program's
+    tile its outputs (so each input's stores are contiguous), the columns an int32's lane
+    t % 4 and slot s (engine/quantization/tinygemm.py gives the nibbles' inputs)."""
+    ko = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = tl.arange(0, 2 * TILES)  # t % 4 x slots
+    t_lo, s = c // (TILES // 2), c % (TILES // 2)
+    ok = n[:, None] < N
+    t = 4 * (n[:, None] % 8) + t_lo[None, :]
+    word = ((n[:, None] // 8).to(tl.int64) * K_OUTER + ko) * (16 * TILES) + t * (TILES // 2) \
+        + s[None, :]
+    packed = tl.load(w_ptr + word, mask=ok, other=0)
+    for j in tl.static_range(8):
+        k = ko * 16 * TILES + 32 * s[None, :] + 16 * ((j // 2) % 2) + 8 * (j % 2) \
+            + 2 * t_lo[None, :] + j // 4
+        at = s_ptr + (k // GROUP) * stride_sg + n[:, None] * stride_sn
+        scale = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+        zero = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+        w = (((packed >> (4 * j)) & 15).to(tl.float32) - 8.0) * scale + zero
+        tl.store(out_ptr + k.to(tl.int64) * N + n[:, None], w.to(out_ptr.dtype.element_ty),
+                 mask=ok)
+
+
+def dequantize_tinygemm(qweight: torch.Tensor, scale_zeros: torch.Tensor, group: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """The float weight of codes in tinygemm's layout, as its transpose [in, out] in `dtype`,
+    in one pass (`dequantize_int4`'s counterpart for layers past tinygemm's row limit)."""
+    n_tiles, k_outer, lanes, half = qweight.shape
+    tiles = 2 * half
+    out_features, in_features = 8 * n_tiles, 16 * tiles * k_outer
+    if lanes != 32 or not qweight.is_contiguous() or in_features % group:
+        raise ValueError(f"{tuple(qweight.shape)} is not tinygemm's layout in groups of {group}")
+    out = torch.empty(in_features, out_features, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(out_features, DEQUANT_BLOCK_N), k_outer)
+    _dequant_tinygemm_kernel[grid](qweight, scale_zeros, out, out_features, k_outer,
+                                   scale_zeros.stride(0), scale_zeros.stride(1), GROUP=group,
+                                   TILES=tiles, BLOCK_N=DEQUANT_BLOCK_N, num_warps=4)
+    return out
+
+
 def pick_config(rows: int, out_features: int, in_features: int, group: int,
                 block_n: int | None = None, block_k: int | None = None) -> TileConfig:
     """The tiling for a [rows x in] @ [in x out] product (int4 where `group` > 0, else int8):

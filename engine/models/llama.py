@@ -186,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
     def _ends_are_plain(self) -> bool:
         """Whether the embedding is the LM head's int8 rows and this class's own forward and
         compute_logits stand (subclasses for tensor and pipeline parallel replace them)."""
-        from engine.quantization.methods import Int8Embedding
+        from engine.quantization.embedding import Int8Embedding
 
         cls = type(self)
         return (cls.forward is LlamaForCausalLM.forward

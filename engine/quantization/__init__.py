@@ -23,13 +23,13 @@ from engine.config import (
 )
 from engine.cpu_features import auto_cpu_dtype
 from engine.models.cpu_linear import PackedLinear
-from engine.quantization import tiles
+from engine.quantization import tiles, tinygemm
 from engine.quantization.blocks import BLOCK_METHODS, U5BlockMethod, U8BlockMethod
 from engine.quantization.checkpoint import CheckpointCodes, LayerCodes
+from engine.quantization.embedding import Int8Embedding
 from engine.quantization.methods import (
     ApplyPlan,
     Int4Method,
-    Int8Embedding,
     Int8Method,
     LinearMethod,
     QuantizedLinear,
@@ -62,12 +62,15 @@ def apply_plan(method: str, model_dtype: torch.dtype, device: torch.device) -> A
     `tiled`: the layers with the tiled layout fused on their float32 activations, any other
     layer dequantized. Elsewhere every weight is dequantized to float32 before a float32
     matmul. On CUDA the layers run kvserve's Triton kernel (kernels/triton_quant_linear.py) in
-    the model's dtype, or dequantize where triton is not installed.
+    the model's dtype, or dequantize where triton is not installed; a bfloat16 model's int4
+    layers run torch's tinygemm kernel where it passes its check on the GPU (tinygemm.py).
     """
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             return ApplyPlan("dequant", model_dtype)
-        return ApplyPlan("fused", model_dtype, "triton")
+        return ApplyPlan("fused", model_dtype, "triton", tinygemm=(
+            method == "int4" and model_dtype == torch.bfloat16
+            and tinygemm.unavailable_reason(device) is None))
     if device.type != "cpu":
         return ApplyPlan("dequant", model_dtype)
     if model_dtype in (torch.bfloat16, torch.float16):
@@ -89,14 +92,15 @@ def make_method(method: str, plan: ApplyPlan, group_size: int | None) -> LinearM
                      f"{', '.join(QUANTIZATION_METHODS)}")
 
 
-_PROBES: dict[tuple[str, int | None, torch.dtype, str], str | None] = {}
+_PROBES: dict[tuple[str, int | None, torch.dtype, str, bool], str | None] = {}
 
 
 def probe_fused(method: LinearMethod) -> str | None:
     """Runs a small fused matmul against the dequantized reference; None when it agrees, else
     why not (an op missing on this torch, or a wrong result). Cached per method and dtype."""
     group = getattr(method, "group_size", None)
-    key = (method.name, group, method.plan.compute_dtype, method.plan.kernel)
+    key = (method.name, group, method.plan.compute_dtype, method.plan.kernel,
+           method.plan.tinygemm)
     if key not in _PROBES:
         _PROBES[key] = _run_probe(method)
     return _PROBES[key]

@@ -10,7 +10,9 @@ modes, fixed at load:
   in the tiled layouts of `tiles.py`) where they were built with AVX512-VNNI, else torch's
   (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`); on CUDA (plan kernel
   "triton") kvserve's Triton kernel (kernels/triton_quant_linear.py: int8 codes as they are,
-  int4 nibbles input-major, layout "kmajor");
+  int4 nibbles input-major, layout "kmajor"), or for int4 layers that torch's tinygemm kernel
+  takes where the plan says so (`ApplyPlan.tinygemm`), that kernel (layout "tinygemm",
+  `tinygemm.py`);
 - `dequant`: rebuild the float weight for each call and run `F.linear` (the fallback, taken
   with a WARNING when the startup probe finds a kernel missing or wrong on this torch).
 
@@ -29,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.config import INT4_GROUP_SIZES
-from engine.quantization import tiles
+from engine.quantization import tiles, tinygemm
 
 # Without --quantization-group-size, each layer takes the first of these dividing its input size.
 # 32 divides every Llama-family shape and is GGUF's Q4_0/Q4_1 block, so a Q4_1 file's 4-bit
@@ -56,6 +58,9 @@ class ApplyPlan:
     # Whose fused kernels: "cpu" (kvserve's C++ tiles, else torch's CPU kernels) or "triton"
     # (kernels/triton_quant_linear.py on CUDA; the interpreter where TRITON_INTERPRET=1).
     kernel: str = "cpu"
+    # On "triton": int4 layers that torch's tinygemm takes (bfloat16) use it instead
+    # (tinygemm.py; set where its check passed on the device).
+    tinygemm: bool = False
 
     @property
     def fuses(self) -> bool:
@@ -124,6 +129,8 @@ class LinearMethod(ABC):
         Triton kernel's limit is TRITON_MAX_FUSED_ROWS."""
         if "layout_tiles" in tensors:
             return None
+        if "layout_tinygemm" in tensors:
+            return tinygemm.MAX_ROWS
         if self.plan.kernel == "triton":
             return TRITON_MAX_FUSED_ROWS
         return self.max_fused_rows
@@ -242,6 +249,12 @@ class Int4Method(LinearMethod):
         # [groups, out, 2]: the layout `_weight_int4pack_mm_for_cpu` reads.
         scale_zeros = torch.stack((scales.float(), zeros.float()), dim=-1).transpose(0, 1)
         fused = self.plan.mode == "fused" and self.supports_fused(out_features, in_features)
+        group = in_features // scales.shape[1]
+        if fused and self.plan.tinygemm and tinygemm.fits(out_features, in_features, group,
+                                                          self.plan.compute_dtype):
+            return {"qweight": tinygemm.pack(codes),
+                    "scale_zeros": scale_zeros.contiguous().to(self.plan.compute_dtype),
+                    "layout_tinygemm": torch.empty(0, dtype=torch.uint8)}
         if fused and self.plan.kernel == "cpu":
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
             layout = "kernel"
@@ -260,6 +273,8 @@ class Int4Method(LinearMethod):
         packed = tensors["qweight"]
         if "layout_tiles" in tensors:
             return tiles.unpack_int4(packed, tensors["scale_mins"])[0]
+        if "layout_tinygemm" in tensors:
+            return tinygemm.unpack(packed)
         if "layout_nibbles" in tensors or "layout_kmajor" in tensors:
             if "layout_kmajor" in tensors:
                 packed = packed.t()
@@ -291,13 +306,18 @@ class Int4Method(LinearMethod):
         return w.reshape(out_features, in_features).to(self.plan.compute_dtype)
 
     def matmul_weight(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "layout_kmajor" not in tensors:
-            return self.dequantize(tensors)
-        from kernels.triton_quant_linear import dequantize_int4
-
         qweight, scale_zeros = tensors["qweight"], tensors["scale_zeros"]
-        group = 2 * qweight.shape[0] // scale_zeros.shape[0]
-        return dequantize_int4(qweight, scale_zeros, group, self.plan.compute_dtype).t()
+        if "layout_kmajor" in tensors:
+            from kernels.triton_quant_linear import dequantize_int4
+
+            group = 2 * qweight.shape[0] // scale_zeros.shape[0]
+            return dequantize_int4(qweight, scale_zeros, group, self.plan.compute_dtype).t()
+        if "layout_tinygemm" in tensors:
+            from kernels.triton_quant_linear import dequantize_tinygemm
+
+            group = 32 * qweight.shape[1] * qweight.shape[3] // scale_zeros.shape[0]
+            return dequantize_tinygemm(qweight, scale_zeros, group, self.plan.compute_dtype).t()
+        return self.dequantize(tensors)
 
     def fused_matmul(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         if "layout_tiles" in tensors:
@@ -306,6 +326,8 @@ class Int4Method(LinearMethod):
         group = x.shape[1] // scale_zeros.shape[0]
         if "layout_kmajor" in tensors:  # the Triton kernel reads the nibbles in place
             return triton_linear(x, tensors["qweight"], scale_zeros, 4, group)
+        if "layout_tinygemm" in tensors:
+            return tinygemm.matmul(x, tensors["qweight"], group, scale_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, tensors["qweight"], group,
                                                           scale_zeros)
 
@@ -368,30 +390,3 @@ class QuantizedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"method={self.method.name}, mode={mode}, "
                 f"compute_dtype={self.method.plan.compute_dtype}")
-
-
-class Int8Embedding(nn.Module):
-    """An embedding table read from an int8 per-row layer's codes and scales.
-
-    With tied embeddings the LM head's int8 codes are one row per vocabulary entry, so the
-    lookup shares them instead of keeping a float copy.
-    """
-
-    def __init__(self, head: QuantizedLinear, dtype: torch.dtype) -> None:
-        super().__init__()
-        if not isinstance(head.method, Int8Method):
-            raise TypeError("Int8Embedding reads an int8 layer's codes")
-        self.head = [head]  # a list, so the head is not registered twice as a submodule
-        self.dtype = dtype
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[num_tokens] ids -> [num_tokens, hidden] in the model dtype."""
-        head = self.head[0]
-        tensors = head.tensors()
-        if "layout_tiles" in tensors:  # the tiles exist where the CPU ops are loaded
-            # one op instead of ~10 torch calls (0.12 ms of a 4.4 ms batch-1 token)
-            return torch.ops.kvserve_cpu.q8_embedding(input_ids, tensors["qweight"],
-                                                      tensors["scales"], self.dtype)
-        codes = tensors["qweight"].index_select(0, input_ids)
-        scales = tensors["scales"].index_select(0, input_ids)
-        return (codes.to(torch.float32) * scales.float()[:, None]).to(self.dtype)

@@ -3,7 +3,7 @@
 On a CUDA machine, in one run (budget: under 8 minutes on one H200):
 1. the kernel tests compiled for CUDA (not the interpreter):
    `pytest tests/kernels/test_triton_attention.py tests/kernels/test_triton_quant_linear.py
-   --kernel-device cuda`;
+   tests/kernels/test_tinygemm.py --kernel-device cuda`;
 2. the device's copy bandwidth, then the decode attention kernel's achieved bandwidth (KV bytes
    read / median time from `triton.testing.do_bench`) at batch 1/16/64/256 x context 1k/4k/16k,
    and prefill chunks, as a share of the copy bandwidth (target: >= 80% at batch >= 64, 4k);
@@ -62,6 +62,7 @@ def run_kernel_tests(report: Report, device: torch.device) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_quant_linear.py",
+           "tests/kernels/test_tinygemm.py",
            "--kernel-device", device.type,
            "--timeout", "120"]
     started = time.perf_counter()

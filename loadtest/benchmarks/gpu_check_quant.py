@@ -4,8 +4,10 @@ For the Llama-3-8B decoder's linear shapes at decode and prefill row counts: ms 
 int4 (groups of 32, the default at load) and int8 through the Triton kernel, beside the
 bfloat16 matmul (cuBLAS), the torch ops that dequantize the weight before a bfloat16 matmul
 (what every layer did on CUDA before the kernel) and the int4 dequantizing kernel before one
-(what a layer past the fused kernel's row limit does); weight bytes read per second at one
-row against the copy bandwidth; and a sweep of tiles at 1 and 64 rows. On CPU (the smoke run) the kernel needs Triton's interpreter, which
+(what a layer past the fused kernel's row limit does); where torch's tinygemm kernel passes its
+check on the GPU (engine/quantization/tinygemm.py), int4 through it at every row count and
+through the dequantizing kernel for its layout; weight bytes read per second at one row
+against the copy bandwidth; and a sweep of tiles at 1 and 64 rows. On CPU (the smoke run) the kernel needs Triton's interpreter, which
 this process does not run in: the section times the torch paths of tiny shapes only.
 """
 
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from engine.quantization import ApplyPlan, Int4Method, Int8Method
+from engine.quantization import ApplyPlan, Int4Method, Int8Method, tinygemm
 from loadtest.benchmarks.gpu_check_kernels import copy_bandwidth, timed
 from loadtest.benchmarks.gpu_check_report import Report, release
 
@@ -31,9 +33,15 @@ SWEEP = ((64, 32, 4, 4), (128, 32, 4, 4), (128, 32, 4, 3), (128, 32, 8, 4), (256
 SWEEP_SHAPES = ("gate_up", "down")
 
 
-def _methods(dtype: torch.dtype, kernel: str) -> dict[str, Int4Method | Int8Method]:
+def _methods(dtype: torch.dtype, kernel: str, device: torch.device
+             ) -> dict[str, Int4Method | Int8Method]:
     plan = ApplyPlan("fused", dtype, kernel)
-    return {"int4": Int4Method(plan, 32), "int8": Int8Method(plan)}
+    methods: dict[str, Int4Method | Int8Method] = {"int4": Int4Method(plan, 32),
+                                                   "int8": Int8Method(plan)}
+    if kernel == "triton" and dtype == torch.bfloat16 and \
+            tinygemm.unavailable_reason(device) is None:
+        methods["int4_tinygemm"] = Int4Method(ApplyPlan("fused", dtype, kernel, True), 32)
+    return methods
 
 
 def _int4_bytes(out_features: int, in_features: int) -> int:
@@ -47,7 +55,7 @@ def quant_linears(report: Report, device: torch.device, small: bool) -> None:
     rows_list = (1, 20) if small else ROWS
     dtype = torch.bfloat16 if on_gpu else torch.float32
     copy_gbs = copy_bandwidth(device, 2**31 if on_gpu else 2**24)
-    methods = _methods(dtype, "triton" if on_gpu else "cpu")
+    methods = _methods(dtype, "triton" if on_gpu else "cpu", device)
     rows_out: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -79,6 +87,16 @@ def quant_linears(report: Report, device: torch.device, small: bool) -> None:
                    f"{sum(r['int8_ms'] for r in at):.3f}, bf16 {sum(r['bf16_ms'] for r in at):.3f},"
                    f" dequant+bf16 {sum(r['dequant_int4_ms'] for r in at):.3f}, dequant kernel"
                    f"+bf16 {sum(r['dequant_kernel_int4_ms'] for r in at):.3f}")
+    tiny = [r for r in rows_out if "int4_tinygemm_ms" in r]
+    if not tiny:
+        report.add("int4 on tinygemm", f"not timed: {tinygemm.unavailable_reason(device)}")
+    for rows in rows_list if tiny else ():
+        at = [r for r in tiny if r["rows"] == rows]
+        report.add(f"int4 on tinygemm, {rows} rows (8B layer)",
+                   f"tinygemm {sum(r['int4_tinygemm_ms'] for r in at):.3f} ms, its dequant "
+                   f"kernel+bf16 {sum(r['dequant_tinygemm_ms'] for r in at):.3f}, triton "
+                   f"{sum(r['int4_ms'] for r in at):.3f}, bf16 {sum(r['bf16_ms'] for r in at):.3f}"
+                   f" (kvserve runs tinygemm up to {tinygemm.MAX_ROWS} rows)")
     if sweep:
         best: dict[tuple[str, int], dict[str, Any]] = {}
         for entry in sweep:
@@ -105,6 +123,10 @@ def _time_product(x: torch.Tensor, weight: torch.Tensor,
     if on_gpu:  # the dequantizing kernel (past the fused kernel's row limit), then the fused
         row["dequant_kernel_int4_ms"] = timed(
             lambda: F.linear(x, int4.matmul_weight(tensors["int4"])), device)
+        if "int4_tinygemm" in methods:
+            tiny = methods["int4_tinygemm"]
+            row["dequant_tinygemm_ms"] = timed(
+                lambda: F.linear(x, tiny.matmul_weight(tensors["int4_tinygemm"])), device)
         for key, method in methods.items():
             row[f"{key}_ms"] = timed(partial(method.fused_matmul, x, tensors[key]), device)
         row["int4_gbs"] = _int4_bytes(*weight.shape) / row["int4_ms"] / 1e6

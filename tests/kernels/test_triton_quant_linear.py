@@ -176,8 +176,10 @@ def test_layers_on_the_triton_plan_read_their_codes_in_place(
 def test_cuda_plans_the_triton_kernel_unless_triton_is_missing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda")
+    # (a bfloat16 model's int4 layers on tinygemm where its check passes: test_tinygemm.py)
+    tinygemm = quant.tinygemm.unavailable_reason(cuda) is None
     assert apply_plan("int4", torch.bfloat16, cuda) == ApplyPlan("fused", torch.bfloat16,
-                                                                 "triton")
+                                                                 "triton", tinygemm)
     assert apply_plan("int8", torch.float32, cuda).kernel == "triton"
     monkeypatch.setattr(quant.importlib.util, "find_spec", lambda name: None)
     assert apply_plan("int4", torch.bfloat16, cuda) == ApplyPlan("dequant", torch.bfloat16)

@@ -56,7 +56,10 @@ def test_the_capture_covers_the_issue_matrix() -> None:
     assert {"*fp16", "*bf16", "*fp32", "*fp8e4nv", "*fp8e5"} <= ptrs
     kernels = {launch.kernel for launch in launches}
     assert kernels == {"_cache_kernel", "_attention_kernel", "_reduce_kernel",
-                       "_quant_linear_kernel", "_dequant_int4_kernel"}
+                       "_quant_linear_kernel", "_dequant_int4_kernel",
+                       "_dequant_tinygemm_kernel"}
+    assert {dict(launch.constexprs)["TILES"] for launch in launches
+            if launch.kernel == "_dequant_tinygemm_kernel"} == {2, 4, 8}
     quant = [dict(launch.constexprs) | {"ptrs": {t for _, t in launch.signature}}
              for launch in launches if launch.kernel == "_quant_linear_kernel"]
     assert {q["BITS"] for q in quant} == {4, 8} and {q["IEEE"] for q in quant} == {False, True}

@@ -34,7 +34,8 @@ SHARED_LIMIT = {80: 166912, 89: 101376, 90: 232448}
 MAX_REGISTERS = 255
 MAX_SPILL_BYTES = 8  # local memory per thread a kernel may use before it counts as spilling
 KERNELS = ("_cache_kernel", "_attention_kernel", "_reduce_kernel")
-QUANT_KERNELS = ("_quant_linear_kernel", "_dequant_int4_kernel")  # triton_quant_linear.py
+QUANT_KERNELS = ("_quant_linear_kernel", "_dequant_int4_kernel",  # triton_quant_linear.py
+                 "_dequant_tinygemm_kernel")
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int32: "i32",
                 torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8"}
@@ -188,6 +189,11 @@ def _quant_launches() -> list[Launch]:
                                 torch.empty(4096, dtype=dtype), 8)
             for group in (32, 128):
                 tq.dequantize_int4(codes, scale_zeros[: 4096 // group], group, dtype)
+        for tiles in (2, 4, 8):  # tinygemm's layout (bfloat16 only) in each k-tile packing
+            tq.dequantize_tinygemm(torch.empty(512, 4096 // (16 * tiles), 32, tiles // 2,
+                                               dtype=torch.int32),
+                                   torch.empty(128, 4096, 2, dtype=torch.bfloat16), 32,
+                                   torch.bfloat16)
     finally:
         for name, jit in originals.items():
             setattr(tq, name, jit)
