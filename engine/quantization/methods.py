@@ -306,15 +306,16 @@ class Int4Method(LinearMethod):
         return w.reshape(out_features, in_features).to(self.plan.compute_dtype)
 
     def matmul_weight(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        qweight, scale_zeros = tensors["qweight"], tensors["scale_zeros"]
         if "layout_kmajor" in tensors:
             from kernels.triton_quant_linear import dequantize_int4
 
+            qweight, scale_zeros = tensors["qweight"], tensors["scale_zeros"]
             group = 2 * qweight.shape[0] // scale_zeros.shape[0]
             return dequantize_int4(qweight, scale_zeros, group, self.plan.compute_dtype).t()
         if "layout_tinygemm" in tensors:
             from kernels.triton_quant_linear import dequantize_tinygemm
 
+            qweight, scale_zeros = tensors["qweight"], tensors["scale_zeros"]
             group = 32 * qweight.shape[1] * qweight.shape[3] // scale_zeros.shape[0]
             return dequantize_tinygemm(qweight, scale_zeros, group, self.plan.compute_dtype).t()
         return self.dequantize(tensors)

@@ -122,6 +122,14 @@ def test_int4_fused_and_nibble_layouts_hold_the_same_codes(layout: str) -> None:
     assert a["qweight"].numel() == b["qweight"].numel() == 64 * 128 // 2
 
 
+def test_every_int4_layout_dequantizes_when_a_call_is_not_fused(layout: str) -> None:
+    method = Int4Method(ApplyPlan("fused", torch.float32), 32)
+    tensors = method.create_weights(_weight(64, 128))
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(method.apply(x, tensors, None, fused=False),
+                               x @ method.dequantize(tensors).t())
+
+
 def test_int4_group_size_must_divide_the_inputs() -> None:
     method = _method("int4", "dequant", torch.float32, 128)
     with pytest.raises(ValueError, match=r"does not divide a layer's input size 96.*\[32\]"):
