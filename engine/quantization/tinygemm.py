@@ -12,8 +12,8 @@ The layout, read from torch's packing kernel (`matrix_to_m16n8k16_Bint4_layout`,
 int32 [out/8, in/(16 I), 32, I/2] for I = inner_k_tiles (2, 4 or 8). Element [nt, ko, t, s]
 holds eight codes of output n = 8 nt + t // 4; its nibble j = 4 hl + 2 a + b (bits 4j..4j+3)
 is the code of input k = 16 I ko + 32 s + 16 a + 8 b + 2 (t % 4) + hl. `pack` builds it with
-torch ops on any device (a layer quantized in host memory too); `available` checks, on the
-GPU, that torch's own packing gives the same int32s and that the product is right.
+torch ops on any device (a layer quantized in host memory too); `unavailable_reason` checks,
+on the GPU, that torch's own packing gives the same int32s and that the product is right.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvserve")
 
 # Rows up to which a tinygemm layer runs the kernel; more rows dequantize and run cuBLAS.
 # Not measured by kvserve yet (the GPU check's quant section times it): torchao's published
 # A6000 table has tinygemm at 16 rows of a 4096 x 4096 int4 product 0.038 ms, at 32 rows
-# 0.065 and at 128 rows 0.25, where a bfloat16 product reads its 32 MB weight in ~0.04 ms.
+# 0.065 and at 128 rows 0.25, where reading the bfloat16 weight (32 MB) at that GPU's 768 GB/s
+# takes ~0.04 ms.
 MAX_ROWS = 16
 GROUP_SIZES = (32, 64, 128, 256)
-# torch's layout views a tile of 8 outputs x 16 inputs; kvserve's index order of one element's
-# eight nibbles and 32 lanes, as the module docstring writes them.
+# The tensor-core tile torch's layout is cut into: 8 outputs x 16 inputs.
 _TILE_N, _TILE_K = 8, 16
 
 
