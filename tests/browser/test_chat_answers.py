@@ -9,7 +9,10 @@ import re
 from typing import Any
 
 import pytest
-from selenium.common.exceptions import ElementNotInteractableException
+from selenium.common.exceptions import (
+    ElementClickInterceptedException,
+    ElementNotInteractableException,
+)
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.select import Select
@@ -180,7 +183,10 @@ def test_regenerate_and_two_conversations_share_the_socket(page: ChatPage,
     if page.driver.execute_script("return kvchat.state.generations.size"):
         try:
             page.by_id("stop").click()
-        except ElementNotInteractableException:  # it finished between the check and the click
+        # it finished between the check and the click: the button is hidden (not interactable),
+        # or hid while the click was on its way (intercepted by what its space now shows: seen
+        # once in CI, 2026-12-04)
+        except (ElementNotInteractableException, ElementClickInterceptedException):
             pass
     assert page.wait_answer(1).get_attribute("data-state") in ("stopped", "done")
     wait_idle(chat_server.url)
