@@ -11,6 +11,7 @@ layer's to the last rounding: the test suite holds them to it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,18 @@ from kernels.metadata import AttentionMetadata
 if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer
     from engine.models.rope import RotaryEmbedding
+
+# Times an Attention layer's backend was set (engine/models/llama.py: Attention.backend), so
+# that FusedStack checks its layers' backends again only after one changed (tests swap in
+# wrappers): the check over 30 layers cost ~30 us of every batch-1 decode step.
+backend_changes = 0
+
+
+def note_backend_change() -> None:
+    """Called by Attention each time its backend is set."""
+    global backend_changes
+    backend_changes += 1
+
 
 # Linear kinds as decoder_layer.cpp numbers them.
 DENSE, PACKED, INT4, INT8, INT4_TILES, INT8_TILES, U8_TILES, U5_TILES = range(8)
@@ -125,6 +138,8 @@ class FusedStack:
             self.stack.add_layer(f.norm1, f.norm2, f.eps, f.kinds, f.params, f.linears, f.heads,
                                  f.attn.scale, f.attn.k_scale, f.attn.v_scale)
         self.has_ends = False  # set_ends: decode_logits can run a whole decode step
+        self._backends_checked = -1  # the backend_changes count serves_rows last checked at
+        self._backends_kept = False  # whether every layer kept its backend then
 
     def set_ends(self, rotary: RotaryEmbedding, norm_weight: torch.Tensor, eps: float,
                  lm_head: nn.Module) -> None:
@@ -142,31 +157,45 @@ class FusedStack:
                             spec.tensors[0], spec.tensors[1])
         self.has_ends = True
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                      argmax: bool = False) -> torch.Tensor | None:
-        """float32 logits [rows, vocab] of a decode step in which every row samples, from
-        token ids in one C++ call (embedding, layers, final norm, LM head in one parallel
-        region: at batch 1 on SmolLM2 the four calls around the layers cost ~0.15 ms of a 4 ms
-        token; a bfloat16 model's head output widened to float32 as compute_logits does), or
-        None where that step does not take the batch (nothing has run then).
+    def decode_logits(self, rows: tuple[list[int], list[int], list[int]],
+                      block_ids: Sequence[Sequence[int]],
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      sliding_window: int | None, argmax: bool = False) -> torch.Tensor | None:
+        """float32 logits [rows, vocab] of a decode step in which every row samples one token
+        (`rows`: their token ids, positions and cache slots; `block_ids`: their block tables),
+        in one C++ call (embedding, layers, final norm, LM head in one parallel region: at
+        batch 1 on SmolLM2 the four calls around the layers cost ~0.15 ms of a 4 ms token; a
+        bfloat16 model's head output widened to float32 as compute_logits does), or None where
+        that step does not take the batch (nothing has run then).
         With `argmax`, each row's argmax of those logits instead (int64 [rows]), found by each
         thread in the part of the head it computed: reading the whole row afterwards, half of
-        it from the other core's cache, and widening it took ~0.1 ms of a 4 ms token."""
-        if not self.has_ends or meta.num_seqs != input_ids.shape[0] or \
-                not self.serves(input_ids, meta):
+        it from the other core's cache, and widening it took ~0.1 ms of a 4 ms token.
+        The rows go to C++ as lists: tensors of them built here cost ~0.1 ms a step."""
+        token_ids, positions, slots = rows
+        if not self.has_ends or not self.serves_rows(len(token_ids)):
             return None
+        width = max(len(ids) for ids in block_ids)
+        tables: list[int] = []
+        for ids in block_ids:
+            tables.extend(ids)
+            tables.extend([0] * (width - len(ids)))
         run = self.stack.forward_argmax if argmax else self.stack.forward_logits
         out: torch.Tensor | None = run(
-            input_ids, positions, [k for k, _ in kv_caches], [v for _, v in kv_caches],
-            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.sliding_window or 0)
+            token_ids, positions, [k for k, _ in kv_caches], [v for _, v in kv_caches], slots,
+            tables, sliding_window or 0)
         return out
 
     def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether every layer's op computes this batch (each layer's `serves`, without 30
-        Python calls a step)."""
-        return (self.max_rows is None or x.shape[0] <= self.max_rows) and \
-            all(f.attn.backend is f.backend for f in self.layers)
+        """Whether every layer's op computes this batch."""
+        return self.serves_rows(x.shape[0])
+
+    def serves_rows(self, num_rows: int) -> bool:
+        """Whether every layer's op computes a batch of `num_rows` rows (each layer's
+        `serves`, its backends looked at again only after some Attention's was set)."""
+        if self._backends_checked != backend_changes:
+            self._backends_kept = all(f.attn.backend is f.backend for f in self.layers)
+            self._backends_checked = backend_changes
+        return self._backends_kept and (self.max_rows is None or num_rows <= self.max_rows)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata

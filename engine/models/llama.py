@@ -8,14 +8,20 @@ ops, rounding where the torch formulation rounds; elsewhere everything else is p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.cpu_layer import FusedLayer, FusedStack, fused_layer, fused_stack
+from engine.models.cpu_layer import (
+    FusedLayer,
+    FusedStack,
+    fused_layer,
+    fused_stack,
+    note_backend_change,
+)
 from engine.models.rope import RotaryEmbedding
 from kernels.metadata import AttentionBackend, AttentionMetadata
 
@@ -64,6 +70,17 @@ class Attention(nn.Module):
         # default without calibration: SmolLM2's K/V stay within |18|, far inside e4m3's 448.
         self.k_scale = 1.0
         self.v_scale = 1.0
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention ops this layer calls (a fused C++ stack runs the one it was built
+        with, and checks again after any layer's is set: cpu_layer.backend_changes)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: AttentionBackend) -> None:
+        self._backend = backend
+        note_backend_change()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -195,16 +212,18 @@ class LlamaForCausalLM(nn.Module):
                 and self.embed_tokens.head[0] is self.lm_head
                 and self.embed_tokens.dtype == self.norm.weight.dtype)
 
-    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                      argmax: bool = False) -> torch.Tensor | None:
-        """`compute_logits(forward(...))` of a decode step in which every token samples, in one
-        C++ call on CPU where the fused stack can run the whole step (engine/models/cpu_layer.py:
-        FusedStack.decode_logits), or with `argmax` each row's argmax of them; None otherwise,
-        having run nothing."""
-        stack = self._stack(input_ids)
-        return None if stack is None else stack.decode_logits(input_ids, positions, kv_caches,
-                                                              meta, argmax)
+    def decode_logits(self, rows: tuple[list[int], list[int], list[int]],
+                      block_ids: Sequence[Sequence[int]],
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      sliding_window: int | None, argmax: bool = False) -> torch.Tensor | None:
+        """`compute_logits(forward(...))` of a decode step in which every row samples one token
+        (`rows`: their token ids, positions and cache slots; `block_ids`: their block tables),
+        in one C++ call on CPU where the fused stack can run the whole step
+        (engine/models/cpu_layer.py: FusedStack.decode_logits), or with `argmax` each row's
+        argmax of them; None otherwise, having run nothing."""
+        stack = self._stack(self.norm.weight)
+        return None if stack is None else stack.decode_logits(rows, block_ids, kv_caches,
+                                                              sliding_window, argmax)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> float32 logits [num_rows, vocab]."""

@@ -55,8 +55,12 @@ def with_history(rows: list[ScheduledRequest], previous: Mapping[str, int]
     return out
 
 
+# A decode batch's token ids, positions and cache slots, one of each a row (decode_rows).
+DecodeRows = tuple[list[int], list[int], list[int]]
+
+
 def decode_rows(batch: SchedulerOutput, block_size: int, previous: Mapping[str, int]
-                ) -> tuple[list[int], list[int], list[int]] | None:
+                ) -> DecodeRows | None:
     """Token ids (placeholders filled as filled_token_ids does), positions and cache slots of
     a batch in which every row decodes one token and samples; None for any other batch. One
     pass over the rows: it runs on the worker thread every decode step, holding the GIL the
@@ -92,11 +96,12 @@ def decode_batch(batch: SchedulerOutput, block_size: int, graphs: DecodeGraphRun
 
 
 def prepare_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int | None,
-                   device: torch.device, previous: Mapping[str, int] = NO_TOKENS
-                   ) -> BatchInputs:
+                   device: torch.device, previous: Mapping[str, int] = NO_TOKENS,
+                   rows: DecodeRows | None = None) -> BatchInputs:
     """Flattens a mixed batch of prefill chunks and decodes into varlen tensors; `previous`
-    holds the last step's sampled tokens, for placeholders."""
-    decode = decode_inputs(batch, block_size, sliding_window, device, previous)
+    holds the last step's sampled tokens, for placeholders; `rows`, decode_rows' answer for
+    the batch where the caller has it already."""
+    decode = decode_inputs(batch, block_size, sliding_window, device, previous, rows)
     if decode is not None:
         return decode
     token_ids: list[int] = []
@@ -122,23 +127,24 @@ def prepare_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int 
 
 
 def decode_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int | None,
-                  device: torch.device, previous: Mapping[str, int]) -> BatchInputs | None:
+                  device: torch.device, previous: Mapping[str, int],
+                  rows: DecodeRows | None = None) -> BatchInputs | None:
     """prepare_inputs for a batch of decodes that all sample (every step at batch 1), or None
     for any other batch: two tensors, an int64 one (ids, positions, slots, logits rows) and an
     int32 one (block tables, sequence lengths, query starts), that the inputs view. It runs on
     the worker thread before every decode step, after the event loop's own Python of the step
     before, on the path of every token (at batch 1 on SmolLM2 the general path's seven tensors
     from lists took 0.18 ms a step in place, on caches the forward had just swept; this 0.135)."""
-    decode = decode_rows(batch, block_size, previous)
+    decode = rows if rows is not None else decode_rows(batch, block_size, previous)
     if decode is None:
         return None
-    longs, positions, slots = decode
-    rows, bs = batch.requests, block_size
-    n = len(rows)
+    longs, positions, slots = list(decode[0]), decode[1], decode[2]
+    requests, bs = batch.requests, block_size
+    n = len(requests)
     seq_lens = [pos + 1 for pos in positions]
-    width = max(len(row.block_ids) for row in rows)
+    width = max(len(row.block_ids) for row in requests)
     ints: list[int] = []
-    for row in rows:
+    for row in requests:
         ints.extend(row.block_ids)
         ints.extend([0] * (width - len(row.block_ids)))
     ints.extend(seq_lens)
@@ -159,7 +165,7 @@ def decode_inputs(batch: SchedulerOutput, block_size: int, sliding_window: int |
         sliding_window=sliding_window,
     )
     return BatchInputs(input_ids=flat64[:n], positions=flat64[n:2 * n], meta=meta,
-                       logits_indices=flat64[3 * n:], sampling_rows=list(rows))
+                       logits_indices=flat64[3 * n:], sampling_rows=list(requests))
 
 
 def attention_metadata(batch: SchedulerOutput, positions: list[int], query_lens: list[int],

@@ -37,7 +37,13 @@ from engine.quantization.checkpoint import (
 )
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
-from engine.worker.input_batch import BatchInputs, decode_batch, prepare_inputs, with_history
+from engine.worker.input_batch import (
+    BatchInputs,
+    decode_batch,
+    decode_rows,
+    prepare_inputs,
+    with_history,
+)
 from engine.worker.offload import CPUOffload, offload_to_cpu, place_on_device
 from engine.worker.sampler import Sampler, argmax_rows
 from kernels.selector import get_attention_backend
@@ -262,18 +268,24 @@ class ModelRunner:
             hidden = self.graph_runner.run(decode, self.kv_caches)
             rows = list(batch.requests)
         else:
-            inputs = prepare_inputs(batch, self.block_size, self.config.sliding_window,
-                                    self.device, previous)
-            rows = inputs.sampling_rows
-            if len(rows) == inputs.input_ids.shape[0]:  # every token samples, in order
+            # Every row decodes one token and samples: on CPU the whole step may be one C++
+            # call, from the rows as lists (no tensors built for it).
+            step = decode_rows(batch, self.block_size, previous) \
+                if self.device.type == "cpu" else None
+            if step is not None:
+                rows = list(batch.requests)
                 # Greedy rows that ask nothing else get their tokens from the step itself.
                 argmax = self.sampler.argmax_only(rows)
-                out = self.model.decode_logits(inputs.input_ids, inputs.positions,
-                                               self.kv_caches, inputs.meta, argmax=argmax)
+                out = self.model.decode_logits(step, [row.block_ids for row in rows],
+                                               self.kv_caches, self.config.sliding_window,
+                                               argmax=argmax)
                 if out is not None:  # the whole step was one C++ call
                     if argmax:
                         return self._result(rows, *self.sampler.took_argmax(out.tolist()))
                     return self._sample_logits(out, rows, previous)
+            inputs = prepare_inputs(batch, self.block_size, self.config.sliding_window,
+                                    self.device, previous, step)
+            rows = inputs.sampling_rows
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if not rows:
                 return StepResult()

@@ -20,31 +20,37 @@ void DecoderStack::set_ends(at::Tensor cos_table, at::Tensor sin_table, at::Tens
 }
 
 std::optional<at::Tensor> DecoderStack::forward_logits(
-    const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& k_caches,
-    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t sliding_window) {
-  return logits_step(ids, positions, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
-                     sliding_window, false);
+    const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+    const std::vector<int64_t>& slots, const std::vector<int64_t>& tables,
+    int64_t sliding_window) {
+  return logits_step(ids, positions, k_caches, v_caches, slots, tables, sliding_window, false);
 }
 
 std::optional<at::Tensor> DecoderStack::forward_argmax(
-    const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& k_caches,
-    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t sliding_window) {
-  return logits_step(ids, positions, k_caches, v_caches, slot_mapping, block_tables, seq_lens,
-                     sliding_window, true);
+    const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+    const std::vector<int64_t>& slots, const std::vector<int64_t>& tables,
+    int64_t sliding_window) {
+  return logits_step(ids, positions, k_caches, v_caches, slots, tables, sliding_window, true);
 }
 
 std::optional<at::Tensor> DecoderStack::logits_step(
-    const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& k_caches,
-    const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t sliding_window,
-    bool argmax) {
+    const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+    const std::vector<int64_t>& slots, const std::vector<int64_t>& tables,
+    int64_t sliding_window, bool argmax) {
   TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
               "DecoderStack.forward_logits: ", layers_.size(), " layers, ", k_caches.size(),
               " K and ", v_caches.size(), " V caches");
-  if (!ends_.has_value() || layers_.empty() || ids.dim() != 1 || ids.size(0) < 1 ||
-      ids.size(0) > kTeamMaxRows || !team_dtype(layers_[0].norm1.scalar_type())) {
+  const int64_t rows = static_cast<int64_t>(ids.size());
+  TORCH_CHECK(static_cast<int64_t>(positions.size()) == rows &&
+                  static_cast<int64_t>(slots.size()) == rows && rows > 0 && !tables.empty() &&
+                  static_cast<int64_t>(tables.size()) % rows == 0,
+              "DecoderStack.forward_logits: ", rows, " ids, ", positions.size(), " positions, ",
+              slots.size(), " slots and ", tables.size(), " block table entries");
+  if (!ends_.has_value() || layers_.empty() || rows > kTeamMaxRows ||
+      !team_dtype(layers_[0].norm1.scalar_type())) {
     return std::nullopt;
   }
   // The head's rows: 0 where the team step does not end in it (or, in a build without
@@ -53,25 +59,31 @@ std::optional<at::Tensor> DecoderStack::logits_step(
   if (vocab == 0) return std::nullopt;
   const Ends& e = ends_.value();
   const at::ScalarType dtype = layers_[0].norm1.scalar_type();
-  const int64_t rows = ids.size(0), dim = layers_[0].heads[2];
+  const int64_t dim = layers_[0].heads[2], width = static_cast<int64_t>(tables.size()) / rows;
   const at::Tensor& ct = e.cos_table;
   const at::Tensor& st = e.sin_table;
-  if (positions.scalar_type() != at::kLong || positions.dim() != 1 ||
-      positions.size(0) != rows || ct.scalar_type() != at::kFloat || ct.dim() != 2 ||
-      !ct.is_contiguous() || ct.size(1) != dim || st.sizes() != ct.sizes() ||
-      st.scalar_type() != at::kFloat || !st.is_contiguous()) {
+  if (ct.scalar_type() != at::kFloat || ct.dim() != 2 || !ct.is_contiguous() ||
+      ct.size(1) != dim || st.sizes() != ct.sizes() || st.scalar_type() != at::kFloat ||
+      !st.is_contiguous()) {
     return std::nullopt;
   }
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(positions[r] >= 0 && positions[r] < ct.size(0),
+                "DecoderStack.forward_logits: position ", positions[r],
+                " is past the rotary table's ", ct.size(0), " positions");
+  }
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor pos = at::tensor(positions, longs);
+  const at::Tensor slot_mapping = at::tensor(slots, longs);
+  at::Tensor block_tables = at::empty({rows, width}, longs.dtype(at::kInt));
+  at::Tensor seq_lens = at::empty({rows}, longs.dtype(at::kInt));
+  int32_t *bt = block_tables.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < rows * width; ++i) bt[i] = static_cast<int32_t>(tables[i]);
+  for (int64_t r = 0; r < rows; ++r) lens[r] = static_cast<int32_t>(positions[r] + 1);
   // The embedding as LlamaForCausalLM's Int8Embedding computes it (the ids are checked there).
-  at::Tensor x = q8_embedding(ids, e.head_qweight, e.head_scales, dtype);
+  at::Tensor x = q8_embedding(at::tensor(ids, longs), e.head_qweight, e.head_scales, dtype);
   if (!serves_team(x, k_caches, v_caches, slot_mapping, block_tables, seq_lens)) {
     return std::nullopt;
-  }
-  const at::Tensor pos = positions.contiguous();
-  const int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(p[r] >= 0 && p[r] < ct.size(0), "DecoderStack.forward_logits: position ", p[r],
-                " is past the rotary table's ", ct.size(0), " positions");
   }
   // Each row's angles in the model's dtype, as RotaryEmbedding.cos_sin rounds them.
   const at::Tensor cos = ct.index_select(0, pos).to(dtype);
@@ -84,7 +96,7 @@ std::optional<at::Tensor> DecoderStack::logits_step(
   }
   at::Tensor logits = at::empty({rows, vocab}, x.options());
   if (argmax) {  // the greedy tokens, found where each thread's share of the head left them
-    at::Tensor tokens = at::empty({rows}, ids.options().dtype(at::kLong));
+    at::Tensor tokens = at::empty({rows}, longs);
     forward_team(x, cos_rows.data(), sin_rows.data(), k_caches, v_caches, slot_mapping,
                  block_tables, seq_lens, sliding_window, logits.data_ptr(),
                  tokens.data_ptr<int64_t>());

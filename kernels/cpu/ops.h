@@ -87,22 +87,28 @@ class DecoderStack : public torch::CustomClassHolder {
                 at::Tensor head_qweight, at::Tensor head_scales);
   // A decode step from token ids to float32 logits [rows, vocab]: the embedding, every layer,
   // the final norm and the LM head in one parallel region; None where the team step does not
-  // take the step (nothing has run then: the caller runs forward instead).
-  std::optional<at::Tensor> forward_logits(const at::Tensor& ids, const at::Tensor& positions,
+  // take the step (nothing has run then: the caller runs forward instead). The rows come as
+  // the model runner's plain lists: each row's token id, position (its sequence's length is
+  // the position + 1) and cache slot, and the block tables' rows one after another, padded to
+  // one width. Building tensors of them in Python cost ~0.1 ms a step (batch 1, SmolLM2: the
+  // first torch calls after a step run on caches the step swept).
+  std::optional<at::Tensor> forward_logits(const std::vector<int64_t>& ids,
+                                           const std::vector<int64_t>& positions,
                                            const std::vector<at::Tensor>& k_caches,
                                            const std::vector<at::Tensor>& v_caches,
-                                           const at::Tensor& slot_mapping,
-                                           const at::Tensor& block_tables,
-                                           const at::Tensor& seq_lens, int64_t sliding_window);
+                                           const std::vector<int64_t>& slots,
+                                           const std::vector<int64_t>& tables,
+                                           int64_t sliding_window);
   // The same step ending in each row's greedy token instead (int64 [rows]: torch.argmax of its
   // logits, each thread scanning the columns of the head it computed): the logits never leave
   // the threads' caches, nor are they widened to float32.
-  std::optional<at::Tensor> forward_argmax(const at::Tensor& ids, const at::Tensor& positions,
+  std::optional<at::Tensor> forward_argmax(const std::vector<int64_t>& ids,
+                                           const std::vector<int64_t>& positions,
                                            const std::vector<at::Tensor>& k_caches,
                                            const std::vector<at::Tensor>& v_caches,
-                                           const at::Tensor& slot_mapping,
-                                           const at::Tensor& block_tables,
-                                           const at::Tensor& seq_lens, int64_t sliding_window);
+                                           const std::vector<int64_t>& slots,
+                                           const std::vector<int64_t>& tables,
+                                           int64_t sliding_window);
 
  private:
   const TeamPlan* team_plan(int64_t hidden) const;
@@ -118,11 +124,12 @@ class DecoderStack : public torch::CustomClassHolder {
   // The LM head's rows (the vocabulary) where the team step for rows of `hidden` can end in
   // the head, else 0.
   int64_t team_head_rows(int64_t hidden) const;
-  std::optional<at::Tensor> logits_step(const at::Tensor& ids, const at::Tensor& positions,
+  std::optional<at::Tensor> logits_step(const std::vector<int64_t>& ids,
+                                        const std::vector<int64_t>& positions,
                                         const std::vector<at::Tensor>& k_caches,
                                         const std::vector<at::Tensor>& v_caches,
-                                        const at::Tensor& slot_mapping,
-                                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                        const std::vector<int64_t>& slots,
+                                        const std::vector<int64_t>& tables,
                                         int64_t sliding_window, bool argmax);
   // The team step on x; each row's rotary angles from cos_rows/sin_rows; with `logits` also
   // the final norm and the LM head into it (x then keeps its input), and with `tokens` each

@@ -70,9 +70,17 @@ def by_ops(stack: Any, e: dict[str, Any], i: dict[str, Any], window: int) -> tor
     return OPS.q8_linear(OPS.rms_norm(x, e["norm"], EPS), e["qweight"], e["scales"]).float()
 
 
+def rows_of(i: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The step's rows as the C++ step takes them (the model runner's lists): ids, positions,
+    slots and the block tables' rows one after another."""
+    return (i["ids"].tolist(), i["pos"].tolist(), i["slots"].tolist(),
+            i["tables"].flatten().tolist())
+
+
 def in_one(stack: Any, i: dict[str, Any], window: int) -> torch.Tensor | None:
-    out: torch.Tensor | None = stack.forward_logits(i["ids"], i["pos"], i["k"], i["v"],
-                                                    i["slots"], i["tables"], i["lens"], window)
+    ids, pos, slots, tables = rows_of(i)
+    out: torch.Tensor | None = stack.forward_logits(ids, pos, i["k"], i["v"], slots, tables,
+                                                    window)
     return out
 
 
@@ -134,9 +142,9 @@ def test_argmax_in_one_region_is_the_argmax_of_the_logits(contexts: list[int], t
         stack = with_ends([4, 5, 4, 5], e)
         by_logits, by_argmax = inputs(3, contexts, 11, dtype), inputs(3, contexts, 11, dtype)
         logits = in_one(stack, by_logits, 0)
-        tokens = stack.forward_argmax(by_argmax["ids"], by_argmax["pos"], by_argmax["k"],
-                                      by_argmax["v"], by_argmax["slots"], by_argmax["tables"],
-                                      by_argmax["lens"], 0)
+        ids, pos, slots, tables = rows_of(by_argmax)
+        tokens = stack.forward_argmax(ids, pos, by_argmax["k"], by_argmax["v"], slots, tables,
+                                      0)
         assert stack.team_steps() == 2
     finally:
         torch.set_num_threads(before)
@@ -183,6 +191,21 @@ def test_bad_ids_or_positions_raise(field: str, value: int, match: str) -> None:
     i[field] = torch.tensor([value])
     with pytest.raises(RuntimeError, match=match):
         in_one(stack, i, 0)
+    assert stack.team_steps() == 0
+
+
+@pytest.mark.parametrize("cut", ["pos", "slots", "tables"])
+def test_rows_that_do_not_line_up_raise(cut: str) -> None:
+    """Lists of another length than the ids (or a block table that is not whole rows): an
+    error naming the counts, nothing run."""
+    stack = with_ends([4, 4, 4, 4], ends(torch.Generator().manual_seed(5)), 2)
+    i = inputs(2, [9, 20], 3)
+    ids, pos, slots, tables = rows_of(i)
+    args = {"pos": pos, "slots": slots, "tables": tables}
+    args[cut] = args[cut][:-1]
+    stack.set_team(True)
+    with pytest.raises(RuntimeError, match="2 ids"):
+        stack.forward_logits(ids, args["pos"], i["k"], i["v"], args["slots"], args["tables"], 0)
     assert stack.team_steps() == 0
 
 
