@@ -221,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         in one C++ call on CPU where the fused stack can run the whole step
         (engine/models/cpu_layer.py: FusedStack.decode_logits), or with `argmax` each row's
         argmax of them; None otherwise, having run nothing."""
-        stack = self._stack(self.norm.weight)
+        stack = self._stack(self.rotary.cos_table)
         return None if stack is None else stack.decode_logits(rows, block_ids, kv_caches,
                                                               sliding_window, argmax)
 
