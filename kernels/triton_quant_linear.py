@@ -144,26 +144,27 @@ def dequantize_int4(qweight: torch.Tensor, scale_zeros: torch.Tensor, group: int
 def _dequant_tinygemm_kernel(w_ptr, s_ptr, out_ptr, N, K_OUTER, stride_sg, stride_sn,
                              GROUP: tl.constexpr, TILES: tl.constexpr, BLOCK_N: tl.constexpr):
     """tinygemm's int32 layout [out/8, in/(16 TILES), 32, TILES/2] -> the weight's transpose
-    [in, out]: BLOCK_N outputs x one ko (16 TILES inputs) a program, the rows of the program's
-    tile its outputs (so each input's stores are contiguous), the columns an int32's lane
-    t % 4 and slot s (engine/quantization/tinygemm.py gives the nibbles' inputs)."""
+    [in, out]: BLOCK_N outputs x one ko (16 TILES inputs) a program. The tile's columns are its
+    outputs, so a warp's stores of one input run along a row of the result (coalesced: the
+    stores are four times the loads' bytes); its rows are an int32's lane t % 4 and slot s
+    (engine/quantization/tinygemm.py gives the nibbles' inputs)."""
     ko = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     c = tl.arange(0, 2 * TILES)  # t % 4 x slots
     t_lo, s = c // (TILES // 2), c % (TILES // 2)
-    ok = n[:, None] < N
-    t = 4 * (n[:, None] % 8) + t_lo[None, :]
-    word = ((n[:, None] // 8).to(tl.int64) * K_OUTER + ko) * (16 * TILES) + t * (TILES // 2) \
-        + s[None, :]
+    ok = n[None, :] < N
+    t = 4 * (n[None, :] % 8) + t_lo[:, None]
+    word = ((n[None, :] // 8).to(tl.int64) * K_OUTER + ko) * (16 * TILES) + t * (TILES // 2) \
+        + s[:, None]
     packed = tl.load(w_ptr + word, mask=ok, other=0)
     for j in tl.static_range(8):
-        k = ko * 16 * TILES + 32 * s[None, :] + 16 * ((j // 2) % 2) + 8 * (j % 2) \
-            + 2 * t_lo[None, :] + j // 4
-        at = s_ptr + (k // GROUP) * stride_sg + n[:, None] * stride_sn
+        k = ko * 16 * TILES + 32 * s[:, None] + 16 * ((j // 2) % 2) + 8 * (j % 2) \
+            + 2 * t_lo[:, None] + j // 4
+        at = s_ptr + (k // GROUP) * stride_sg + n[None, :] * stride_sn
         scale = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         zero = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
         w = (((packed >> (4 * j)) & 15).to(tl.float32) - 8.0) * scale + zero
-        tl.store(out_ptr + k.to(tl.int64) * N + n[:, None], w.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + k.to(tl.int64) * N + n[None, :], w.to(out_ptr.dtype.element_ty),
                  mask=ok)
 
 

@@ -25,7 +25,8 @@ from loadtest.benchmarks.gpu_check_report import Report, release
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
-ROWS = (1, 16, 64, 256, 1024)
+# 8 and 32 bracket tinygemm's row limit (tinygemm.MAX_ROWS)
+ROWS = (1, 8, 16, 32, 64, 256, 1024)
 # (block_n, block_k, num_warps, num_stages) tried at 1 and 64 rows; the split follows. A step
 # covers at most one group of 32 and feeds `tl.dot` 16 inputs at least: block_k is 32.
 SWEEP = ((64, 32, 4, 4), (128, 32, 4, 4), (128, 32, 4, 3), (128, 32, 8, 4), (256, 32, 4, 4),
