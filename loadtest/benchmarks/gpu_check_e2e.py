@@ -1,6 +1,8 @@
 """The GPU check's decode throughput (loadtest/benchmarks/gpu_check.py): a Llama-3-8B-shaped
 model (random bfloat16 weights) with and without CUDA graphs, and with int4 and int8 weights
-(CUDA graphs on), beside transformers' `generate`."""
+(CUDA graphs on), beside transformers' `generate`. Each variant's engine is built once and
+decodes every batch (a quantized one takes ~40 s to build: its random float32 weights are made
+in host memory and quantized on the GPU); its figures are printed as soon as it is done."""
 
 from __future__ import annotations
 
@@ -28,48 +30,62 @@ def _write_config(folder: Path, shape: dict[str, Any]) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def _engine_decode_tps(folder: Path, device: torch.device, dtype: torch.dtype, batch: int,
-                       graphs: bool, prompt_len: int, steps: int,
-                       quantization: str = "none") -> float:
-    config = ModelConfig.from_folder(folder)
-    source = ModelSource(folder, "hf", config, "llama3-8b-shape")
-    args = EngineArgs(model=str(folder), load_format="dummy", enforce_eager=not graphs,
-                      max_num_seqs=batch, attention_backend="auto", quantization=quantization)
-    max_len = prompt_len + steps + 16
-    runner = ModelRunner(source, args, device, dtype, max_len)
-    blocks_per_seq = -(-max_len // args.block_size)
-    runner.allocate_kv_cache(batch * blocks_per_seq)
-    runner.init_cuda_graphs(batch)
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
-    tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-    prefill = tuple(ScheduledRequest(str(i), tuple([7] * prompt_len), 0, tables[i], True, params)
-                    for i in range(batch))
-    last = runner.execute(SchedulerOutput(prefill)).sampled
-    sync(device)
-    started = time.perf_counter()
-    for step in range(steps):
-        batch_step = tuple(ScheduledRequest(str(i), (last[str(i)],), prompt_len + step,
-                                            tables[i], True, params) for i in range(batch))
-        last = runner.execute(SchedulerOutput(batch_step)).sampled
-    sync(device)
-    return batch * steps / (time.perf_counter() - started)
+class _Engine:
+    """One model runner for every batch of a variant: built (and, with a method, quantized at
+    load: ~40 s for the 8B shape's random float32 weights in host memory) once, with KV blocks
+    and CUDA graphs for the largest batch."""
+
+    def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, max_batch: int,
+                 graphs: bool, max_len: int, quantization: str = "none") -> None:
+        config = ModelConfig.from_folder(folder)
+        source = ModelSource(folder, "hf", config, "llama3-8b-shape")
+        args = EngineArgs(model=str(folder), load_format="dummy", enforce_eager=not graphs,
+                          max_num_seqs=max_batch, attention_backend="auto",
+                          quantization=quantization)
+        self.device = device
+        self.runner = ModelRunner(source, args, device, dtype, max_len)
+        self.blocks_per_seq = -(-max_len // args.block_size)
+        self.runner.allocate_kv_cache(max_batch * self.blocks_per_seq)
+        self.runner.init_cuda_graphs(max_batch)
+
+    def decode_tps(self, batch: int, prompt_len: int, steps: int) -> float:
+        """Output tok/s of `steps` greedy decode steps of `batch` fresh sequences."""
+        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+        per = self.blocks_per_seq
+        tables = [tuple(range(i * per, (i + 1) * per)) for i in range(batch)]
+        ids = [f"b{batch}-{i}" for i in range(batch)]  # new requests for each batch
+        prefill = tuple(ScheduledRequest(ids[i], tuple([7] * prompt_len), 0, tables[i], True,
+                                         params) for i in range(batch))
+        last = self.runner.execute(SchedulerOutput(prefill)).sampled
+        sync(self.device)
+        started = time.perf_counter()
+        for step in range(steps):
+            batch_step = tuple(ScheduledRequest(ids[i], (last[ids[i]],), prompt_len + step,
+                                                tables[i], True, params) for i in range(batch))
+            last = self.runner.execute(SchedulerOutput(batch_step)).sampled
+        sync(self.device)
+        return batch * steps / (time.perf_counter() - started)
 
 
-def _hf_generate_tps(folder: Path, device: torch.device, dtype: torch.dtype, batch: int,
-                     prompt_len: int, steps: int) -> float:
+def _hf_generate_tps(folder: Path, device: torch.device, dtype: torch.dtype,
+                     batches: list[int], prompt_len: int, steps: int) -> list[float]:
+    """transformers' `generate` at each batch (its prefill included), one model for all."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    ids = torch.full((batch, prompt_len), 7, device=device)
-    kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
-    model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
-    sync(device)
-    started = time.perf_counter()
-    model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kwargs)
-    sync(device)
-    return batch * steps / (time.perf_counter() - started)  # includes its prefill
+    rates = []
+    for batch in batches:
+        ids = torch.full((batch, prompt_len), 7, device=device)
+        kwargs = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up
+        sync(device)
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kwargs)
+        sync(device)
+        rates.append(batch * steps / (time.perf_counter() - started))
+    return rates
 
 
 def llama8b_throughput(report: Report, device: torch.device, smoke: bool,
@@ -81,26 +97,27 @@ def llama8b_throughput(report: Report, device: torch.device, smoke: bool,
     dtype = torch.float32 if smoke else torch.bfloat16
     batches, steps, prompt_len = ([1, 4], 8, 16) if smoke else ([1, 32, 128], 128, 128)
     graph_modes = [False] if device.type != "cuda" else [True, False]
-    rows = []
+    on_gpu = device.type == "cuda"
+    # (column, CUDA graphs, method): the quantized ones with graphs where the device has them
+    variants = [("kvserve_graphs" if g else "kvserve_eager", g, "none") for g in graph_modes]
+    variants += [(f"kvserve_{m}", on_gpu, m) for m in QUANTIZED]
+    rows: list[dict[str, Any]] = [{"batch": batch} for batch in batches]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         _write_config(folder, shape)
-        for batch in batches:
-            row: dict[str, Any] = {"batch": batch}
-            for graphs in graph_modes:
-                key = "kvserve_graphs" if graphs else "kvserve_eager"
-                row[key] = _engine_decode_tps(folder, device, dtype, batch, graphs, prompt_len,
-                                              steps)
-                release(device)
-            for method in QUANTIZED:  # weight-only, through the Triton kernel on CUDA
-                row[f"kvserve_{method}"] = _engine_decode_tps(
-                    folder, device, dtype, batch, device.type == "cuda", prompt_len, steps,
-                    method)
-                release(device)
-            row["transformers"] = _hf_generate_tps(folder, device, dtype, batch, prompt_len,
-                                                   steps)
-            rows.append(row)
+        for key, graphs, method in variants:
+            engine = _Engine(folder, device, dtype, max(batches), graphs,
+                             prompt_len + steps + 16, method)
+            for row in rows:
+                row[key] = engine.decode_tps(row["batch"], prompt_len, steps)
+            print(f"[gpu_check] 8B-shape decode tok/s, {key}: " + ", ".join(
+                f"batch {row['batch']} {row[key]:.0f}" for row in rows), flush=True)
+            del engine
             release(device)
-            report.add(f"8B-shape decode tok/s, batch {batch}",
-                       ", ".join(f"{k} {v:.0f}" for k, v in row.items() if k != "batch"))
+        rates = _hf_generate_tps(folder, device, dtype, batches, prompt_len, steps)
+        release(device)
+    for row, rate in zip(rows, rates, strict=True):
+        row["transformers"] = rate
+        report.add(f"8B-shape decode tok/s, batch {row['batch']}",
+                   ", ".join(f"{k} {v:.0f}" for k, v in row.items() if k != "batch"))
     report.sections["llama8b_decode"] = rows
