@@ -4,6 +4,9 @@
 `LLM()` serves the same chat prompts with kv_cache_dtype auto, fp8_e4m3 and fp8_e5m2 (per-layer
 scales 1.0, vLLM's default) on a float32 model, then auto on a bfloat16 model: the yardstick, how
 far a precision change every GPU deployment accepts already moves greedy output on this model.
+The weights are the GGUF's dequantized (`quantization="none"`): kvserve's default for a GGUF
+keeps its 4-bit blocks and quantizes activations to int8 inside each linear, which would fold
+that rounding into every row and blur what the cache alone does.
 Every run gets the same KV budget, so the capacity columns compare like for like.
 
 Metrics, each against the first (auto, float32) run of the same prompt:
@@ -138,7 +141,8 @@ def run_greedy(kv_cache_dtype: str, model_dtype: str, num_threads: int, max_toke
 
     start = time.perf_counter()
     llm = LLM(kv_cache_dtype=kv_cache_dtype, dtype=model_dtype, num_threads=num_threads,
-              kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES, max_model_len=MAX_MODEL_LEN)
+              kv_cache_memory_bytes=KV_CACHE_MEMORY_BYTES, max_model_len=MAX_MODEL_LEN,
+              quantization="none")
     completions = greedy_chat(llm, prompts, max_tokens)
     plan = llm.engine.kv_cache_plan
     return RunResult(kv_cache_dtype, model_dtype, completions, plan.bytes_per_token, plan.num_tokens,

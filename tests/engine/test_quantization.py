@@ -309,7 +309,8 @@ SMOLLM2_PROMPTS = ("What is the capital of France, and why is it famous?",
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method, min_agree, max_mad", [("int8", 0.2, 0.1),
-                                                        ("int4", 0.3, 0.08)])
+                                                        ("int4", 0.3, 0.08),
+                                                        ("gguf", 0.3, 0.08)])
 def test_smollm2_quality(method: str, min_agree: float, max_mad: float) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=5, ignore_eos=True)
     messages = [[{"role": "user", "content": p}] for p in SMOLLM2_PROMPTS]
