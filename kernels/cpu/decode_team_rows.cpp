@@ -34,7 +34,6 @@ void DecoderStack::team_step_rows(at::Tensor x, const void* const* cos_rows,
                                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, int64_t sliding_window,
                                   void* logits, int64_t* tokens) {
-#ifdef KVSERVE_INT8_DOT
   const int64_t rows = x.size(0), hidden = x.size(1);
   const TeamPlan* plan = team_plan(hidden);  // serves_team saw it
   const auto& lin = plan->lin;
@@ -125,9 +124,6 @@ void DecoderStack::team_step_rows(at::Tensor x, const void* const* cos_rows,
     }
   }
   if (tokens != nullptr) combine_best(best, team_size, rows, tokens);
-#else
-  TORCH_CHECK(false, "DecoderStack: the team step needs AVX512-VNNI in this build");
-#endif
 }
 
 template void DecoderStack::team_step_rows<float>(

@@ -33,6 +33,8 @@
 
 #include <torch/library.h>
 
+#include <string>
+
 #include "ops.h"
 
 TORCH_LIBRARY(kvserve_cpu, m) {
@@ -70,6 +72,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
       .def("forward_logits", &kvserve::DecoderStack::forward_logits)
       .def("forward_argmax", &kvserve::DecoderStack::forward_argmax);
   m.def("int8_dot_available() -> bool", &kvserve::int8_dot_available);
+  m.def("vector_isa() -> str", [] { return std::string(kvserve::vector_isa()); });
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {

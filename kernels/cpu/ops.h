@@ -37,7 +37,8 @@ void add_rms_norm_(at::Tensor h, at::Tensor residual, const at::Tensor& weight, 
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor argmax_rows(const at::Tensor& logits);  // torch.argmax(logits, -1), float32 rows
-bool int8_dot_available();  // whether q4/q8_linear were built with AVX512-VNNI
+bool int8_dot_available();  // whether q4/q8_linear have the int8-dot path (every ISA now)
+const char* vector_isa();   // the vector layer this library was built for (vec::kIsa)
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qweight,
                      const at::Tensor& scale_mins, int64_t path);
 at::Tensor u5_linear(const at::Tensor& x, const at::Tensor& qweight,

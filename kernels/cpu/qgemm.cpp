@@ -1,5 +1,6 @@
 // Weight-only quantized linear layers on CPU: y = x W^T with W in int4 or int8 codes, laid out
-// for AVX512-VNNI's u8 x s8 dot product (64 products per instruction).
+// for the u8 x s8 dot product of the vector layer (vec::dot4: VNNI's dpbusd, 64 products per
+// instruction; AVX2's maddubs; NEON's sdot).
 //
 // Weights come in tiles of 16 output rows, so that the 16 lanes of a dot product are 16 rows
 // and each lane sums 4 consecutive inputs: a block of 32 inputs is 8 such operands, and its
@@ -23,7 +24,7 @@
 //
 // Two ways to compute (`path`: 0 picks, the tests force each):
 //   1 float     each tile dequantized to float and dotted with float activations: portable
-//               C++, the reference and the fallback without AVX512-VNNI;
+//               C++, the reference the tests hold the int8-dot path to;
 //   2 int8-dot  the activations quantized to int8 per block of 32 (scale max|x| / 127, as
 //               GGUF's Q8 blocks are), multiplied by the codes in integers, scaled per block in
 //               float; the mins of int4 meet the sums of the quantized x.
@@ -70,9 +71,6 @@ template <typename W>
 at::Tensor run(const W& w, const at::Tensor& x, int64_t N, int64_t path) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(path >= kAuto && path <= kInt8Dot, "quantized linear: unknown path ", path);
-  TORCH_CHECK(path != kInt8Dot || int8_dot_available(),
-              "quantized linear: the int8-dot path needs AVX512-VNNI in this build");
-#ifdef KVSERVE_INT8_DOT
   if (path != kFloat) {
     const at::Tensor xc = x.contiguous();
     at::Tensor y = at::empty({M, N}, x.options());
@@ -91,7 +89,6 @@ at::Tensor run(const W& w, const at::Tensor& x, int64_t N, int64_t path) {
         break;  // other float types: the float path
     }
   }
-#endif
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0) {
     const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -107,13 +104,9 @@ void check_x(const at::Tensor& x, int64_t K, const char* op) {
 
 }  // namespace
 
-bool int8_dot_available() {
-#ifdef KVSERVE_INT8_DOT
-  return true;
-#else
-  return false;
-#endif
-}
+bool int8_dot_available() { return true; }  // every ISA's vector layer has the int8 dot
+
+const char* vector_isa() { return vec::kIsa; }
 
 namespace {
 

@@ -3,25 +3,24 @@
 
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 
-#include "convert.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
-#define KVSERVE_INT8_DOT 1
-#endif
+#include "vec/vec.h"
 
 namespace kvserve {
 namespace qgemm {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRows = 16;      // output rows per tile
-constexpr int kMaxRowsPerPass = 8;  // int8 weights: rows of x per pass over a tile
-constexpr int kQ4RowsPerPass = 6;   // int4 weights: rows of x per pass over two tiles
-constexpr int kChunkRows = 24;      // row chunks are whole passes of either
+// Register tiles, sized to the ISA's registers (vec::kRegsPer16: registers a 16-lane vector
+// takes): with 32 registers of 16 lanes (AVX-512), 8 rows of x per pass over an int8 tile and
+// 6 rows over two int4 tiles (12 sums and 12 accumulators); with 16 of 8 lanes (AVX2) or 32 of
+// 4 (NEON), 4 rows over an int8 tile and 2 over one int4 tile, which stay in registers.
+constexpr bool kWide = vec::kRegsPer16 == 1;
+constexpr int kMaxRowsPerPass = kWide ? 8 : 4;  // int8 weights: rows of x per pass over a tile
+constexpr int kQ4RowsPerPass = kWide ? 6 : 2;   // int4 weights: rows of x per pass
+constexpr int kQ4TilesPerPass = kWide ? 2 : 1;  // int4 weights: tiles per pass
+constexpr int kChunkRows = 24;  // row chunks are whole passes of either
 enum Path : int64_t { kAuto = 0, kFloat = 1, kInt8Dot = 2 };
 
 // Asymmetric codes per block of 32 inputs, w = s * q + m with a scale s and min m per group of
@@ -63,7 +62,7 @@ struct QBlocks {
       const uint8_t* p = block(t, b);
       const S* s = scales(t, b / per_group);
       for (int l = 0; l < kRows; ++l) {
-        const float sl = to_f(s[l]), ml = to_f(s[kRows + l]);
+        const float sl = to_float(s[l]), ml = to_float(s[kRows + l]);
         for (int c = 0; c < 8; ++c)
           for (int i = 0; i < 4; ++i)
             out[l * K + b * kBlock + 4 * c + i] = sl * code(p, l, c, i) + ml;
@@ -101,7 +100,7 @@ struct Q8 {
   void dequant_tile(int64_t t, float* out) const {  // unscaled: post_scale applies it
     for (int64_t l = 0; l < kRows; ++l) dequant_row(t, l, 1.0f, out + l * K);
   }
-  float post_scale(int64_t n) const { return to_f(scale[n]); }
+  float post_scale(int64_t n) const { return to_float(scale[n]); }
 };
 
 }  // namespace qgemm

@@ -1,45 +1,51 @@
-// The int8-dot path of kvserve's quantized linears (qgemm.cpp): the activations quantized to
-// int8 per block of 32 (scale max|x| / 127, as GGUF's Q8 blocks are), multiplied by the codes
-// with AVX512-VNNI's u8 x s8 dot product, scaled per block in float; int4's mins meet the sums
+// The int8-dot path of kvserve's quantized linears (qgemm.cpp), written once over the vector
+// layer (vec/vec.h): the activations quantized to int8 per block of 32 (scale max|x| / 127, as
+// GGUF's Q8 blocks are), multiplied by the codes with the ISA's u8 x s8 dot product (VNNI's
+// dpbusd, AVX2's maddubs, NEON's sdot), scaled per block in float; int4's mins meet the sums
 // of the quantized x.
 
 #pragma once
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "qgemm.h"
 #include "quant_rows.h"
 #include "team.h"
 
-#ifdef KVSERVE_INT8_DOT
 namespace kvserve {
 namespace qgemm {
 
-// ---- path 2: int8 dot products ----------------------------------------------------------------
-
-inline __m512i broadcast(const int32_t* p) { return _mm512_set1_epi32(*p); }
+// Calls f(std::integral_constant<int, n>) for a run-time n in 1..Max: the register tiles are
+// compiled for each row count.
+template <int Max, typename F>
+inline void with_rows(int64_t n, F&& f) {
+  if constexpr (Max > 0) {
+    if (n == Max) {
+      f(std::integral_constant<int, Max>{});
+    } else {
+      with_rows<Max - 1>(n, f);
+    }
+  }
+}
 
 // The 8 operands' sums for the R rows of a pass against one block (xq: the pass's codes at
 // the block, see QuantRows::quads): 16 lanes, one per output row. The dot products run as
 // independent chains (per row, and split per row when rows are few) so that their latency
 // overlaps.
-template <int R>
-inline void block_dots(const __m512i (&ops)[8], const int32_t* xq,
-                       __m512i (&sums)[R]) {
+template <int Bits, int R>
+inline void block_dots(const vec::U8x64 (&ops)[8], const int32_t* xq, vec::I32x16 (&sums)[R]) {
   constexpr int kChains = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
-  __m512i part[R][kChains];
+  vec::I32x16 part[R][kChains];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < kChains; ++h) part[r][h] = _mm512_setzero_si512();
+    for (int h = 0; h < kChains; ++h) part[r][h] = vec::zero_i32();
   for (int c = 0; c < 8; ++c)
     for (int r = 0; r < R; ++r)
-      part[r][c % kChains] = _mm512_dpbusd_epi32(part[r][c % kChains], ops[c],
-                                                 broadcast(xq + c * R + r));
+      part[r][c % kChains] = vec::dot4<Bits>(part[r][c % kChains], ops[c], xq[c * R + r]);
   for (int r = 0; r < R; ++r) {
     sums[r] = part[r][0];
-    for (int h = 1; h < kChains; ++h) sums[r] = _mm512_add_epi32(sums[r], part[r][h]);
+    for (int h = 1; h < kChains; ++h) sums[r] = sums[r] + part[r][h];
   }
 }
 
@@ -55,199 +61,151 @@ inline void block_dots(const __m512i (&ops)[8], const int32_t* xq,
 // both), nor in a 512-token prefill (1,780-2,090 tokens/s both).
 constexpr int64_t kAheadBlocks = 16;
 
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) {
-    _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
-  }
-}
-
-// One row of x against int4 tile t (batch-1 decode; fewer instructions per weight byte: 5-8%
-// faster with the weights in cache, inside noise when they stream from memory, measured
-// 2026-12-01 on SmolLM2's shapes): the high nibbles enter the dot products
-// masked in place, 16 x their value, and the low ones' sums are scaled up to meet them
-// (4 masks instead of 4 masks and 4 shifts, 2 sum chains instead of 4). Everything the
-// accumulator takes is then 16 x the general tile's, exactly (integer sums below 2^24,
-// power-of-two scaling): the mins enter times 16 and the result is divided by 16 at the end,
-// so the output equals the general tile's bit for bit.
-template <typename S, typename T>
-void tile_one_row(const Q4<S>& w, const QuantRows& a, int64_t t, int64_t r, int64_t N, T* y) {
-  // The scales of the group kAheadBlocks blocks on (a tile's groups are consecutive, and the
-  // next tile's follow them), as bytes from this group's.
-  const int64_t scales_ahead =
-      kAheadBlocks / w.per_group * 2 * kRows * static_cast<int64_t>(sizeof(S));
-  const __m512i low4 = _mm512_set1_epi8(0x0F), high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
-  const __m512 sixteen = _mm512_set1_ps(16.0f);
-  __m512 acc = _mm512_setzero_ps();
-  const int32_t* x = a.quads(r);  // one row: its codes in order
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const S* s = w.scales(t, g);
-    prefetch_lines(reinterpret_cast<const char*>(s) + scales_ahead, 64);
-    const __m512 sv = load16(s), mv16 = _mm512_mul_ps(load16(s + kRows), sixteen);
-    acc = _mm512_fmadd_ps(mv16, _mm512_set1_ps(a.sums[r * a.groups + g]), acc);
-    for (int64_t b = g * w.per_group; b < (g + 1) * w.per_group; ++b) {
-      const uint8_t* p = w.block(t, b);
-      prefetch_lines(p + kAheadBlocks * 256, 256);
-      const int32_t* xq = x + b * kBlock / 4;
-      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(p + 64 * j);
-        lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, low4), broadcast(xq + j));
-        hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, high4), broadcast(xq + j + 4));
-      }
-      const __m512i sum16 = _mm512_add_epi32(_mm512_slli_epi32(lo, 4), hi);
-      const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(a.da[r * a.blocks + b]));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum16), scale, acc);
-    }
-  }
-  store16(y + r * N + t * kRows, _mm512_mul_ps(acc, _mm512_set1_ps(1.0f / 16.0f)));
-}
-
 // Operands j and j + 4 of tile block p (see QBlocks): 4-bit ones from the nibbles of run j,
 // 5-bit ones with their fifth bits added from the block's bit words, 8-bit ones as they are.
 template <int Bits>
-inline void operand_pair(const uint8_t* p, int j, __m512i& lo, __m512i& hi) {
+inline void operand_pair(const uint8_t* p, int j, vec::U8x64& lo, vec::U8x64& hi) {
   if constexpr (Bits == 8) {
-    lo = _mm512_loadu_si512(p + 64 * j);
-    hi = _mm512_loadu_si512(p + 64 * (j + 4));
+    lo = vec::load_u8(p + 64 * j);
+    hi = vec::load_u8(p + 64 * (j + 4));
   } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i v = _mm512_loadu_si512(p + 64 * j);
-    lo = _mm512_and_si512(v, low4);
-    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    const vec::U8x64 v = vec::load_u8(p + 64 * j);
+    lo = vec::and_bytes(v, 0x0F);
+    hi = vec::high_nibbles(v);
     if constexpr (Bits == 5) {
-      const __m512i sixteen = _mm512_set1_epi8(16);
       uint64_t bits[2];
       std::memcpy(&bits[0], p + 256 + 8 * j, 8);
       std::memcpy(&bits[1], p + 256 + 8 * (j + 4), 8);
-      lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(bits[0]), lo, sixteen);
-      hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(bits[1]), hi, sixteen);
+      lo = vec::add16_where(lo, bits[0]);
+      hi = vec::add16_where(hi, bits[1]);
     }
   }
 }
 
-// One row of x against 5- or 8-bit block tile t (batch-1 decode): each run's two operands
-// into two chains of dot products; the group's scale and min as in the int4 tiles.
+// One row of x against block tile t (batch-1 decode): each run's two operands into two chains
+// of dot products; per group the mins meet the sums of the quantized x, per block the integer
+// sums meet the weight's and x's scales. The float operations are q4_tiles' in its order, so
+// the output equals the many-row kernel's bit for bit.
 template <typename S, int Bits, typename T>
 void tile_one_row(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t r,
                   int64_t N, T* y) {
   constexpr int64_t bytes = QBlocks<S, Bits>::kBlockBytes;
+  // The scales of the group kAheadBlocks blocks on (a tile's groups are consecutive, and the
+  // next tile's follow them), as bytes from this group's.
   const int64_t scales_ahead =
       kAheadBlocks / w.per_group * 2 * kRows * static_cast<int64_t>(sizeof(S));
-  __m512 acc = _mm512_setzero_ps();
-  const int32_t* x = a.quads(r);
+  vec::F32x16 acc = vec::zero();
+  const int32_t* x = a.quads(r);  // one row: its codes in order
   for (int64_t g = 0; g < w.groups; ++g) {
     const S* s = w.scales(t, g);
-    prefetch_lines(reinterpret_cast<const char*>(s) + scales_ahead, 64);
-    const __m512 sv = load16(s);
-    acc = _mm512_fmadd_ps(load16(s + kRows), _mm512_set1_ps(a.sums[r * a.groups + g]), acc);
+    vec::prefetch(reinterpret_cast<const char*>(s) + scales_ahead);
+    const vec::F32x16 sv = vec::load(s);
+    acc = vec::fma(vec::load(s + kRows), vec::set1(a.sums[r * a.groups + g]), acc);
     for (int64_t b = g * w.per_group; b < (g + 1) * w.per_group; ++b) {
       const uint8_t* p = w.block(t, b);
-      prefetch_lines(p + kAheadBlocks * bytes, bytes);
+      vec::prefetch_lines(p + kAheadBlocks * bytes, bytes);
       const int32_t* xq = x + b * kBlock / 4;
-      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      vec::I32x16 lo = vec::zero_i32(), hi = vec::zero_i32();
       for (int j = 0; j < 4; ++j) {
-        __m512i op_lo, op_hi;
+        vec::U8x64 op_lo, op_hi;
         operand_pair<Bits>(p, j, op_lo, op_hi);
-        lo = _mm512_dpbusd_epi32(lo, op_lo, broadcast(xq + j));
-        hi = _mm512_dpbusd_epi32(hi, op_hi, broadcast(xq + j + 4));
+        lo = vec::dot4<Bits>(lo, op_lo, xq[j]);
+        hi = vec::dot4<Bits>(hi, op_hi, xq[j + 4]);
       }
-      const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(a.da[r * a.blocks + b]));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), scale, acc);
+      const vec::F32x16 scale = sv * vec::set1(a.da[r * a.blocks + b]);
+      acc = vec::fma(vec::to_float(lo + hi), scale, acc);
     }
   }
-  store16(y + r * N + t * kRows, acc);
+  vec::store(y + r * N + t * kRows, acc);
 }
 
-// Rows r0..r0+R of x against the T consecutive int4 tiles t..t+T-1 (T = 1 or 2). Each
+// Rows r0..r0+R of x against the T consecutive block tiles t..t+T-1 (T = 1 or 2). Each
 // broadcast of x feeds T tiles, and each run of weights is unpacked just before its dot
-// products. All the 512-bit operations here (dot products, unpacking, the float work) issue on
-// the same two ports, so what counts is their number: per block, row and tile, 8 dot products
-// carry 4 float operations (convert, scale, multiply-add, the mins' multiply-add) and a share
-// of the tile's unpacking. Two tiles of 6 rows fill the 32 vector registers (12 sums, 12
-// accumulators, the operands): 20-24% faster than one tile of 8 rows at 64 rows of SmolLM2's
-// shapes (Xeon with AVX512-VNNI, one thread, weights in cache; 2026-12-01). The output is the
-// one-tile kernel's bit for bit: the same integer sums, the same float operations in order.
-// On Zen 4 (AMD EPYC, 2026-12-03; one thread, weights in L2, 96 rows, K 576, GGUF Q4_1's
-// group of one block) the pass runs at 290-320 G ops/s against 458 for dot products alone:
-// without the per-block float work it reached 415-440, without the unpacking no faster. The
-// float work (per block, row and tile: convert, scale product, two multiply-adds against 8 dot
-// products) is what is left: with scales per block on both sides, each (block, row, tile)
-// needs its own scale product, so none of it can be shared. 1 tile x 12 rows (250-270), 1 x 8, 2 x 4, 3 x 4 and 4 x 3 were no faster.
+// products. On AVX-512 all the 512-bit operations here (dot products, unpacking, the float
+// work) issue on the same two ports, so what counts is their number: per block, row and
+// tile, 8 dot products carry 4 float operations (convert, scale, multiply-add, the mins'
+// multiply-add) and a share of the tile's unpacking. Two tiles of 6 rows fill the 32 vector
+// registers (12 sums, 12 accumulators, the operands): 20-24% faster than one tile of 8 rows at
+// 64 rows of SmolLM2's shapes (Xeon with AVX512-VNNI, one thread, weights in cache;
+// 2026-12-01). On Zen 4 (AMD EPYC, 2026-12-03; one thread, weights in L2, 96 rows, K 576, GGUF
+// Q4_1's group of one block) the pass runs at 290-320 G ops/s against 458 for dot products
+// alone: without the per-block float work it reached 415-440, without the unpacking no
+// faster. 1 tile x 12 rows (250-270), 1 x 8, 2 x 4, 3 x 4 and 4 x 3 were no faster. Narrower
+// ISAs take 1 tile x 2 rows (qgemm.h: kQ4RowsPerPass), their registers' worth.
 template <int T, int R, typename S, int Bits, typename Y>
 void q4_tiles(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N,
               Y* y, bool ahead) {
   const int32_t* x = a.quads(r0);  // the pass's codes: R per 4 inputs
-  __m512 acc[T][R];
+  vec::F32x16 acc[T][R];
   for (int i = 0; i < T; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[i][r] = vec::zero();
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int64_t g = b / w.per_group;
     const int32_t* xq = x + b * kBlock / 4 * R;
-    __m512i part[T][R];
+    vec::I32x16 part[T][R];
     for (int i = 0; i < T; ++i)
-      for (int r = 0; r < R; ++r) part[i][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) part[i][r] = vec::zero_i32();
     for (int i = 0; i < T && ahead; ++i) {  // the next pair's block and scales (kAheadBlocks)
-      prefetch_lines(w.block(t + T + i, b), QBlocks<S, Bits>::kBlockBytes);
+      vec::prefetch_lines(w.block(t + T + i, b), QBlocks<S, Bits>::kBlockBytes);
       if (b % w.per_group == 0) {
-        prefetch_lines(w.scales(t + T + i, g), 2 * kRows * static_cast<int64_t>(sizeof(S)));
+        vec::prefetch_lines(w.scales(t + T + i, g), 2 * kRows * static_cast<int64_t>(sizeof(S)));
       }
     }
     for (int j = 0; j < 4; ++j) {  // run j: operand j in the low nibbles, j + 4 in the high
-      __m512i lo[T], hi[T];
+      vec::U8x64 lo[T], hi[T];
       for (int i = 0; i < T; ++i) operand_pair<Bits>(w.block(t + i, b), j, lo[i], hi[i]);
       for (int r = 0; r < R; ++r) {
-        const __m512i xr = broadcast(xq + j * R + r);
-        for (int i = 0; i < T; ++i) part[i][r] = _mm512_dpbusd_epi32(part[i][r], lo[i], xr);
+        for (int i = 0; i < T; ++i) {
+          part[i][r] = vec::dot4<Bits>(part[i][r], lo[i], xq[j * R + r]);
+        }
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i xr = broadcast(xq + (j + 4) * R + r);
-        for (int i = 0; i < T; ++i) part[i][r] = _mm512_dpbusd_epi32(part[i][r], hi[i], xr);
+        for (int i = 0; i < T; ++i) {
+          part[i][r] = vec::dot4<Bits>(part[i][r], hi[i], xq[(j + 4) * R + r]);
+        }
       }
     }
     for (int i = 0; i < T; ++i) {
       const S* s = w.scales(t + i, g);
       if (b % w.per_group == 0) {  // the group's mins meet the sums of its quantized x
-        const __m512 mv = load16(s + kRows);
+        const vec::F32x16 mv = vec::load(s + kRows);
         for (int r = 0; r < R; ++r) {
-          acc[i][r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.sums[(r0 + r) * a.groups + g]),
-                                      acc[i][r]);
+          acc[i][r] = vec::fma(mv, vec::set1(a.sums[(r0 + r) * a.groups + g]), acc[i][r]);
         }
       }
-      const __m512 sv = load16(s);
+      const vec::F32x16 sv = vec::load(s);
       for (int r = 0; r < R; ++r) {
-        const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(a.da[(r0 + r) * a.blocks + b]));
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[i][r]), scale, acc[i][r]);
+        const vec::F32x16 scale = sv * vec::set1(a.da[(r0 + r) * a.blocks + b]);
+        acc[i][r] = vec::fma(vec::to_float(part[i][r]), scale, acc[i][r]);
       }
     }
   }
   for (int i = 0; i < T; ++i)
-    for (int r = 0; r < R; ++r) store16(y + (r0 + r) * N + (t + i) * kRows, acc[i][r]);
+    for (int r = 0; r < R; ++r) vec::store(y + (r0 + r) * N + (t + i) * kRows, acc[i][r]);
 }
 
 template <int R, typename S, typename T>
 void tile(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t r0, int64_t N, T* y,
           bool ahead) {
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int32_t* x = a.quads(r0);  // the pass's codes: R per 4 inputs
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  vec::F32x16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vec::zero();
   for (int64_t b = 0; b < w.blocks; ++b) {
     const int8_t* p = w.block(t, b);
-    if (ahead) prefetch_lines(p + kAheadBlocks * 512, 512);  // see kAheadBlocks
+    if (ahead) vec::prefetch_lines(p + kAheadBlocks * 512, 512);  // see kAheadBlocks
     // u8 = code + 128: each sum carries 128 x (the block's codes of x), removed at the end.
-    __m512i ops[8];
-    for (int c = 0; c < 8; ++c) ops[c] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * c), flip);
-    __m512i sums[R];
-    block_dots<R>(ops, x + b * kBlock / 4 * R, sums);
+    vec::U8x64 ops[8];
+    for (int c = 0; c < 8; ++c) ops[c] = vec::xor_bytes(vec::load_u8(p + 64 * c), 0x80);
+    vec::I32x16 sums[R];
+    block_dots<8, R>(ops, x + b * kBlock / 4 * R, sums);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]),
-                               _mm512_set1_ps(a.da[(r0 + r) * a.blocks + b]), acc[r]);
+      acc[r] = vec::fma(vec::to_float(sums[r]), vec::set1(a.da[(r0 + r) * a.blocks + b]), acc[r]);
     }
   }
-  const __m512 scale = load16(w.scale + t * kRows);
+  const vec::F32x16 scale = vec::load(w.scale + t * kRows);
   for (int r = 0; r < R; ++r) {
-    const __m512 v = _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * a.total[r0 + r]));
-    store16(y + (r0 + r) * N + t * kRows, _mm512_mul_ps(v, scale));
+    const vec::F32x16 v = acc[r] - vec::set1(128.0f * a.total[r0 + r]);
+    vec::store(y + (r0 + r) * N + t * kRows, v * scale);
   }
 }
 
@@ -259,16 +217,9 @@ int64_t passes(const Q8<S>& w, const QuantRows& a, int64_t t, int64_t, int64_t r
   for (; r + kMaxRowsPerPass <= r1; r += kMaxRowsPerPass) {
     tile<kMaxRowsPerPass>(w, a, t, r, N, y, r + kMaxRowsPerPass == r1);
   }
-  switch (r1 - r) {
-    case 7: tile<7>(w, a, t, r, N, y, true); break;
-    case 6: tile<6>(w, a, t, r, N, y, true); break;
-    case 5: tile<5>(w, a, t, r, N, y, true); break;
-    case 4: tile<4>(w, a, t, r, N, y, true); break;
-    case 3: tile<3>(w, a, t, r, N, y, true); break;
-    case 2: tile<2>(w, a, t, r, N, y, true); break;
-    case 1: tile<1>(w, a, t, r, N, y, true); break;
-    default: break;
-  }
+  with_rows<kMaxRowsPerPass - 1>(r1 - r, [&](auto rows) {
+    tile<decltype(rows)::value>(w, a, t, r, N, y, true);
+  });
   return 1;
 }
 
@@ -279,19 +230,14 @@ void q4_passes(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t
   for (; r + kQ4RowsPerPass <= r1; r += kQ4RowsPerPass) {
     q4_tiles<T, kQ4RowsPerPass>(w, a, t, r, N, y, r + kQ4RowsPerPass == r1);
   }
-  switch (r1 - r) {
-    case 5: q4_tiles<T, 5>(w, a, t, r, N, y, true); break;
-    case 4: q4_tiles<T, 4>(w, a, t, r, N, y, true); break;
-    case 3: q4_tiles<T, 3>(w, a, t, r, N, y, true); break;
-    case 2: q4_tiles<T, 2>(w, a, t, r, N, y, true); break;
-    case 1: q4_tiles<T, 1>(w, a, t, r, N, y, true); break;
-    default: break;
-  }
+  with_rows<kQ4RowsPerPass - 1>(r1 - r, [&](auto rows) {
+    q4_tiles<T, decltype(rows)::value>(w, a, t, r, N, y, true);
+  });
 }
 
-// Rows r0..r1 of x against int4 (or 5- or 8-bit block) tile t, and tile t + 1 too where it is below
-// t_end (this thread's tiles end there); returns the tiles done. One row of x (batch-1
-// decode) takes tile_one_row, tile by tile.
+// Rows r0..r1 of x against int4 (or 5- or 8-bit block) tile t, and tile t + 1 too where the
+// ISA pairs tiles and it is below t_end (this thread's tiles end there); returns the tiles
+// done. One row of x (batch-1 decode) takes tile_one_row, tile by tile.
 template <typename S, int Bits, typename T>
 int64_t passes(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t t_end,
                int64_t r0, int64_t r1, int64_t N, T* y) {
@@ -299,9 +245,9 @@ int64_t passes(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t
     tile_one_row(w, a, t, r0, N, y);
     return 1;
   }
-  if (t + 1 < t_end) {
-    q4_passes<2>(w, a, t, r0, r1, N, y);
-    return 2;
+  if (kQ4TilesPerPass == 2 && t + 1 < t_end) {
+    q4_passes<kQ4TilesPerPass>(w, a, t, r0, r1, N, y);
+    return kQ4TilesPerPass;
   }
   q4_passes<1>(w, a, t, r0, r1, N, y);
   return 1;
@@ -353,4 +299,3 @@ void int8_path_rows(const W& w, const T* x, int64_t M, int64_t N, int64_t K, int
 
 }  // namespace qgemm
 }  // namespace kvserve
-#endif  // KVSERVE_INT8_DOT

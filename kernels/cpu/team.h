@@ -3,15 +3,16 @@
 // plus the ATen calls between them, left one of the two threads idle for a quarter of the
 // step. Inside a Team the kernels that split work (the quantized linears, the decode
 // attention) take their share by thread number and meet at a barrier instead of opening a
-// region; outside one, `split_for` is at::parallel_for.
+// region; outside one, `split_for` is parallel_for (at::parallel_for in the extension).
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include "parallel.h"
 
 namespace kvserve {
 
@@ -35,7 +36,7 @@ struct TeamMember {
 template <typename F>
 void split_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (tl_team == nullptr) {
-    at::parallel_for(begin, end, grain, f);
+    parallel_for(begin, end, grain, f);
     return;
   }
   const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();

@@ -14,8 +14,6 @@
 
 namespace kvserve {
 
-#ifdef KVSERVE_INT8_DOT
-
 // One linear of kind 4 (int4 tiles), 5 (int8 tiles), 6 (8-bit code tiles) or 7 (5-bit code
 // tiles): its weight views, built once.
 struct TeamLinear {
@@ -102,7 +100,5 @@ struct TeamPlan {
   std::vector<std::array<TeamLinear, 4>> lin;
   std::optional<TeamLinear> head;
 };
-
-#endif  // KVSERVE_INT8_DOT
 
 }  // namespace kvserve

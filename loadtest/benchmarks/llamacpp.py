@@ -35,6 +35,10 @@ VERSION = "11434.0.0"  # its llama.cpp build number; the commit is in the sdist'
 PEER_DIR = ROOT / "build" / "peers" / "llamacpp"
 BUILD_DIR = PEER_DIR / "build"
 INFO_PATH = BUILD_DIR / "build_info.json"
+# An AVX2-only CPU (AMD before Zen 4, Intel client chips) on a host with more: its flags are
+# this CPU's without AVX-512 and AVX-VNNI. The `avx2` peer builds into build-avx2, beside the
+# native one, and pairs with kvserve built for x86-64-v3 (KVSERVE_CPU_MARCH).
+AVX2_DROPPED_PREFIXES = ("avx512", "avx_vnni", "amx")
 TARGETS = ("llama-server", "llama-bench", "llama-quantize")
 NICE = ["nice", "-n", "19"]
 
@@ -75,16 +79,33 @@ def cmake_options(flags: Iterable[str]) -> list[str]:
     return [f"-D{opt}" for opt in (*FIXED_OPTIONS, *simd)]
 
 
-def binary(name: str) -> Path:
+def isa_flags(isa: str) -> frozenset[str]:
+    """This CPU's flags as the build sees them: all of them (`native`), or those an AVX2-only
+    CPU has (`avx2`)."""
+    flags = read_cpu_flags()
+    if isa == "native":
+        return flags
+    if isa != "avx2":
+        raise ValueError(f"unknown peer ISA {isa!r}: native or avx2")
+    return frozenset(f for f in flags if not f.startswith(AVX2_DROPPED_PREFIXES))
+
+
+def build_dir(isa: str = "native") -> Path:
+    """The build folder of one peer ISA."""
+    return BUILD_DIR if isa == "native" else PEER_DIR / f"build-{isa}"
+
+
+def binary(name: str, isa: str = "native") -> Path:
     """Where the build puts one of TARGETS."""
-    return BUILD_DIR / "bin" / name
+    return build_dir(isa) / "bin" / name
 
 
-def load_build_info() -> dict[str, Any] | None:
+def load_build_info(isa: str = "native") -> dict[str, Any] | None:
     """The recorded build (flags, version, commit), or None when nothing is built."""
-    if not INFO_PATH.is_file() or not all(binary(t).is_file() for t in TARGETS):
+    info_path = build_dir(isa) / "build_info.json"
+    if not info_path.is_file() or not all(binary(t, isa).is_file() for t in TARGETS):
         return None
-    info: dict[str, Any] = json.loads(INFO_PATH.read_text())
+    info: dict[str, Any] = json.loads(info_path.read_text())
     return info
 
 
@@ -130,38 +151,39 @@ def _compiler() -> str:
     return out.stdout.splitlines()[0] if out.stdout else "unknown"
 
 
-def setup(jobs: int = 2, force: bool = False) -> dict[str, Any]:
-    """Fetches and builds TARGETS unless a build with the same configure options exists;
-    returns (and records) the build's description."""
-    flags = read_cpu_flags()
+def setup(jobs: int = 2, force: bool = False, isa: str = "native") -> dict[str, Any]:
+    """Fetches and builds TARGETS for `isa` (see isa_flags) unless a build with the same
+    configure options exists; returns (and records) the build's description."""
+    flags = isa_flags(isa)
     options = cmake_options(flags)
-    info = load_build_info()
+    info = load_build_info(isa)
+    folder = build_dir(isa)
     if info is not None and info["cmake_options"] == options and not force:
-        print(f"llama.cpp {info['version']} already built in {BUILD_DIR}; --force rebuilds")
+        print(f"llama.cpp {info['version']} already built in {folder}; --force rebuilds")
         return info
     source = fetch_source()
     start = time.perf_counter()
-    _run([*NICE, "cmake", "-S", str(source), "-B", str(BUILD_DIR), *options])
-    _run([*NICE, "cmake", "--build", str(BUILD_DIR), f"-j{jobs}", "--target", *TARGETS])
+    _run([*NICE, "cmake", "-S", str(source), "-B", str(folder), *options])
+    _run([*NICE, "cmake", "--build", str(folder), f"-j{jobs}", "--target", *TARGETS])
     simd = simd_options(flags)
     info = {"package": f"{PACKAGE}=={VERSION}", "version": VERSION, "commit": _commit(source),
             "cmake_options": options, "simd_on": [k for k, on in simd.items() if on],
             "cpu_flags": sorted(f for _, needs in SIMD_OPTIONS for f in needs if f in flags),
-            "compiler": _compiler(), "jobs": jobs,
+            "compiler": _compiler(), "jobs": jobs, "isa": isa,
             "build_seconds": round(time.perf_counter() - start, 1)}
-    INFO_PATH.write_text(json.dumps(info, indent=2))
-    print(f"built {', '.join(TARGETS)} in {info['build_seconds']:.0f} s; {INFO_PATH}")
+    (folder / "build_info.json").write_text(json.dumps(info, indent=2))
+    print(f"built {', '.join(TARGETS)} in {info['build_seconds']:.0f} s; {folder}")
     return info
 
 
 # ---- running it ---------------------------------------------------------------------------
 
 
-def run_bench(model: Path, threads: int, n_prompt: int, n_gen: int, reps: int = 3
-              ) -> list[dict[str, Any]]:
+def run_bench(model: Path, threads: int, n_prompt: int, n_gen: int, reps: int = 3,
+              isa: str = "native") -> list[dict[str, Any]]:
     """`llama-bench -o json` for one prompt size and one generation size (0 skips one);
     one dict per test with its tokens/s (mean and stddev over `reps`)."""
-    cmd = [str(binary("llama-bench")), "-m", str(model), "-t", str(threads),
+    cmd = [str(binary("llama-bench", isa)), "-m", str(model), "-t", str(threads),
            "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps), "-o", "json"]
     print("+", " ".join(cmd), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
@@ -207,8 +229,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--setup-peer", action="store_true", help="fetch and build, once")
     p.add_argument("--force", action="store_true", help="rebuild even if a build exists")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
+    p.add_argument("--isa", default="native", choices=("native", "avx2"),
+                   help="build for this CPU, or for an AVX2-only CPU (no AVX-512)")
     ns = p.parse_args(argv)
-    info = setup(ns.jobs, ns.force) if ns.setup_peer else load_build_info()
+    info = setup(ns.jobs, ns.force, ns.isa) if ns.setup_peer else load_build_info(ns.isa)
     print(json.dumps(info, indent=2) if info else "not built: run with --setup-peer")
 
 

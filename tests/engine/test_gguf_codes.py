@@ -19,6 +19,7 @@ from engine.model_loader.gguf.codes import (
     layer_codes,
     linear_code_bits,
 )
+from tests.support.cpu_ops import require_cpu_ops
 from tests.support.gguf_quants import reencode_gguf
 
 T = GGMLQuantizationType
@@ -165,11 +166,10 @@ def test_block_methods_from_floats_and_codes(mode: str, bits: int) -> None:
     codes they keep them; both layouts (the tiles, and the plain codes a CPU without the tile
     kernels dequantizes per call) compute x W^T of the weight they hold."""
     from engine.quantization import ApplyPlan
-    from engine.quantization import tiles as tile_layouts
     from engine.quantization.blocks import BLOCK_METHODS
 
-    if mode == "tiled" and tile_layouts.tile_ops() is None:
-        pytest.skip("kvserve's tile kernels are not built here (AVX512-VNNI)")
+    if mode == "tiled":
+        require_cpu_ops()
     method = BLOCK_METHODS[bits](ApplyPlan(mode, torch.float32))
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(48, 96, generator=gen)

@@ -28,6 +28,7 @@ from engine.quantization import (
     quantized_weight_bytes,
     tiles,
 )
+from tests.support.cpu_ops import require_cpu_ops
 from tests.support.greedy import logprob_agreement, tokens_and_logprobs
 
 CPU = torch.device("cpu")
@@ -51,8 +52,8 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     """Which fused layouts quantized layers take: torch's (tiled ops hidden) or kvserve's."""
     if request.param == "torch":
         monkeypatch.setattr(tiles, "tile_ops", lambda: None)
-    elif tiles.tile_ops() is None:
-        pytest.skip("kvserve's tiled kernels need its C++ ops built with AVX512-VNNI")
+    else:
+        require_cpu_ops()
     return str(request.param)
 
 
@@ -234,7 +235,6 @@ def test_fp32_model_on_a_bf16_cpu_runs_the_fused_kernels(
     assert all(len(ids) == MAX_TOKENS for ids, _ in out)
 
 
-@pytest.mark.skipif(tiles.tile_ops() is None, reason="kvserve's tile kernels need AVX512-VNNI")
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_fp32_model_without_native_bf16_runs_the_tile_kernels(
         tiny_llama_dir: Path, float_reference: list[tuple[list[int], list[dict[int, float]]]],

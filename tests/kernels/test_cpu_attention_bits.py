@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
+from tests.support.cpu_ops import require_cpu_ops
 
-OPS = cpu_ops.load()
-pytestmark = pytest.mark.skipif(OPS is None, reason="kvserve's CPU ops could not be built here")
+OPS = require_cpu_ops()
 
 
 def paged_copy(rows: list[torch.Tensor], block_size: int

@@ -25,9 +25,6 @@ from tests.kernels.test_cpu_decode_team import (
     make_stack,
 )
 
-pytestmark = pytest.mark.skipif(OPS is None or not OPS.int8_dot_available(),
-                                reason="the team step needs the CPU ops with AVX512-VNNI")
-
 VOCAB, MAX_POS, EPS = 336, 2048, 1e-5
 
 

@@ -11,18 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from engine.cpu_features import read_cpu_flags
 from engine.quantization import tiles
-from kernels import cpu_ops
+from tests.support.cpu_ops import require_cpu_ops
 
-OPS = cpu_ops.load()
-pytestmark = pytest.mark.skipif(OPS is None or not OPS.int8_dot_available(),
-                                reason="the team step needs the CPU ops with AVX512-VNNI")
+OPS = require_cpu_ops()
 
 HIDDEN, HEADS, KV_HEADS, DIM, INTER, BLOCK = 256, 4, 2, 64, 384, 16
 # The dtypes the team step computes in on this machine's build.
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    "avx512_bf16" not in read_cpu_flags(), reason="bf16 team steps need AVX512-BF16"))]
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 def int4_linear(out: int, inp: int, gen: torch.Generator) -> list[torch.Tensor | None]:

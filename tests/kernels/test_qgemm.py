@@ -13,21 +13,18 @@ import pytest
 import torch
 
 from engine.quantization import tiles
-from kernels import cpu_ops
+from tests.support.cpu_ops import require_cpu_ops
 
 FLOAT, INT8_DOT = 1, 2
 
 
 @pytest.fixture(scope="module")
 def ops() -> object:
-    ops = cpu_ops.load()
-    if ops is None:
-        pytest.skip("kvserve's CPU ops are not built here")
-    return ops
+    return require_cpu_ops()
 
 
 def _paths(ops: object) -> list[int]:
-    return [FLOAT, INT8_DOT] if ops.int8_dot_available() else [FLOAT]  # type: ignore[attr-defined]
+    return [FLOAT, INT8_DOT]
 
 
 def _int4(n: int, k: int, group: int, seed: int = 0
@@ -127,8 +124,6 @@ def test_q4_one_row_equals_its_row_in_a_batch(ops: object, scale_dtype: torch.dt
                                               k: int, group: int) -> None:
     """A single row (batch-1 decode: its own tile routine, high nibbles masked in place and
     the sums scaled by 16) gives, bit for bit, what the same row gives inside a batch."""
-    if not ops.int8_dot_available():  # type: ignore[attr-defined]
-        pytest.skip("the int8-dot path needs AVX512-VNNI")
     codes, scales, mins = _int4(n, k, group, seed=3)
     qweight, scale_mins = tiles.pack_int4(codes, scales, mins, scale_dtype)
     for dtype in (torch.float32, torch.bfloat16):
@@ -143,8 +138,6 @@ def test_q4_one_row_equals_its_row_in_a_batch(ops: object, scale_dtype: torch.dt
 def test_q4_output_does_not_depend_on_the_thread_count(ops: object, n: int) -> None:
     """Tiles run in pairs where a thread holds two (an odd one alone): how the threads split
     the tiles changes which, never a bit of the output."""
-    if not ops.int8_dot_available():  # type: ignore[attr-defined]
-        pytest.skip("the int8-dot path needs AVX512-VNNI")
     codes, scales, mins = _int4(n, 96, 32, seed=5)
     qweight, scale_mins = tiles.pack_int4(codes, scales, mins, torch.float16)
     x = torch.randn(13, 96, generator=torch.Generator().manual_seed(2)) * 2
@@ -264,8 +257,6 @@ def test_coded_one_row_equals_its_row_in_a_batch_at_any_thread_count(
         ops: object, bits: int, scale_dtype: torch.dtype) -> None:
     """One row (its own tile routine) gives, bit for bit, its row in a batch (tiles in pairs),
     however many threads split the tiles."""
-    if not ops.int8_dot_available():  # type: ignore[attr-defined]
-        pytest.skip("the int8-dot path needs AVX512-VNNI")
     op, pack, _, _ = CODE_BITS[bits]
     kernel = getattr(ops, op)
     codes, scales, mins = _coded(bits, 80, 576, 32, seed=3)
