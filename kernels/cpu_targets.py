@@ -42,7 +42,8 @@ PCH_HEADERS = ("ATen/ATen.h", "ATen/Parallel.h", "torch/library.h")
 PCH_NAME = "kvserve_torch_headers.h"
 _FAILED = re.compile(r"^FAILED: (?:\[code=\d+\] )?(\S+)")  # ninja 1.12+ adds [code=N]
 _STEP = re.compile(r"^\[\d+/\d+\] ")
-_ERROR = re.compile(r"\berror\b", re.IGNORECASE)
+# Error lines, and gcc's pointer from an intrinsic's error in its header to the source line.
+_ERROR = re.compile(r"\berror\b|note: called from here", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,9 @@ def _precompile(compiler: str, flags: list[str], folder: Path) -> list[str]:
 
 
 def first_errors(text: str, limit: int = 3) -> str:
-    """The first `limit` lines of compiler output that say error, else its last lines (a
-    compiler killed for memory says no 'error')."""
+    """The first `limit` lines of compiler output that say error (or where an intrinsic that
+    failed was called from), else its last lines (a compiler killed for memory says no
+    'error')."""
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if _ERROR.search(line)]
     return "\n".join((errors or lines[-limit:])[:limit])

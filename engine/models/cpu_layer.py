@@ -1,11 +1,12 @@
-"""A decoder layer as one C++ op on CPU (kernels/cpu/decoder_layer.cpp).
+"""A decoder layer as one C++ op on CPU (kernels/cpu/decoder_layer.cpp), and every layer in one.
 
 At batch 1 on a small model the eager layer's ~25 torch calls and ~10 module calls cost as much
 as its matmuls (SmolLM2-135M: ~4 ms of Python per token beside ~5 ms of matmuls). `FusedLayer`
 describes the layer's weights once and runs the same kernels and the same torch matmuls from
 C++ in one call, for decode batches and mixed ones alike (prefill chunks beside decodes: the
-attention is then the backend's varlen kernel, as in the Python forward). Tensor-parallel
-layers and weight formats it does not know keep the Python forward; outputs match the eager
+attention is then the backend's varlen kernel, as in the Python forward); `FusedStack` runs
+every layer's in one call, and where the ends fit, the whole decode step. Which of them a model
+uses is the worker's choice at load (engine/worker/cpu_path.py); outputs match the eager
 layer's to the last rounding: the test suite holds them to it.
 """
 
@@ -24,23 +25,12 @@ from engine.quantization.methods import Int4Method, Int8Method, QuantizedLinear
 from kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.models.llama import DecoderLayer
-    from engine.models.rope import RotaryEmbedding
-
-# Times an Attention layer's backend was set (engine/models/llama.py: Attention.backend), so
-# that FusedStack checks its layers' backends again only after one changed (tests swap in
-# wrappers): the check over 30 layers cost ~30 us of every batch-1 decode step.
-backend_changes = 0
-
-
-def note_backend_change() -> None:
-    """Called by Attention each time its backend is set."""
-    global backend_changes
-    backend_changes += 1
-
+    from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 # Linear kinds as decoder_layer.cpp numbers them.
 DENSE, PACKED, INT4, INT8, INT4_TILES, INT8_TILES, U8_TILES, U5_TILES = range(8)
+# Activation dtypes decoder_layer_ computes in.
+LAYER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -94,7 +84,6 @@ class FusedLayer:
         attn = layer.self_attn
         self.ops = ops
         self.attn = attn
-        self.backend = attn.backend  # the op runs this backend's kernels: none other
         self.norm1 = layer.input_layernorm.weight
         self.norm2 = layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.eps
@@ -105,11 +94,10 @@ class FusedLayer:
         self.max_rows = min(limits) if limits else None
         self.heads = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
 
-    def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this batch is one the op computes: few enough rows for its kernels."""
-        rows = x.shape[0]
-        return (self.max_rows is None or rows <= self.max_rows) and \
-            self.attn.backend is self.backend
+    def serves(self, num_rows: int) -> bool:
+        """Whether a batch of `num_rows` rows is one the op computes: few enough rows for its
+        kernels (torch's int8/int4 matmuls hand larger batches to another kernel)."""
+        return self.max_rows is None or num_rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -138,23 +126,15 @@ class FusedStack:
             self.stack.add_layer(f.norm1, f.norm2, f.eps, f.kinds, f.params, f.linears, f.heads,
                                  f.attn.scale, f.attn.k_scale, f.attn.v_scale)
         self.has_ends = False  # set_ends: decode_logits can run a whole decode step
-        self._backends_checked = -1  # the backend_changes count serves_rows last checked at
-        self._backends_kept = False  # whether every layer kept its backend then
 
-    def set_ends(self, rotary: RotaryEmbedding, norm_weight: torch.Tensor, eps: float,
-                 lm_head: nn.Module) -> None:
-        """Hands the model's ends to the C++ stack where it can run them in its decode step:
-        an LM head of int8 tiles without bias whose rows are also the embedding (the tied
-        Int8Embedding), a float32 or bfloat16 final norm (the layers' dtype: the C++ step
-        checks) and float32 rotary tables on CPU."""
-        spec = linear_spec(lm_head, norm_weight.dtype)
-        if (spec is None or spec.kind != INT8_TILES or spec.tensors[2] is not None
-                or norm_weight.dtype not in (torch.float32, torch.bfloat16)
-                or not norm_weight.is_cpu
-                or rotary.cos_table.dtype != torch.float32 or not rotary.cos_table.is_cpu):
-            return
-        self.stack.set_ends(rotary.cos_table, rotary.sin_table, norm_weight, eps,
-                            spec.tensors[0], spec.tensors[1])
+    def set_ends(self, model: LlamaForCausalLM) -> None:
+        """Hands the model's embedding, final norm, LM head and rotary tables to the C++ stack,
+        so that decode_logits runs a whole decode step; check `ends_unfit(model)` first."""
+        spec = linear_spec(model.lm_head, model.norm.weight.dtype)
+        assert spec is not None and spec.tensors[1] is not None
+        rotary = model.rotary
+        self.stack.set_ends(rotary.cos_table, rotary.sin_table, model.norm.weight,
+                            model.norm.eps, spec.tensors[0], spec.tensors[1])
         self.has_ends = True
 
     def decode_logits(self, rows: tuple[list[int], list[int], list[int]],
@@ -172,7 +152,7 @@ class FusedStack:
         it from the other core's cache, and widening it took ~0.1 ms of a 4 ms token.
         The rows go to C++ as lists: tensors of them built here cost ~0.1 ms a step."""
         token_ids, positions, slots = rows
-        if not self.has_ends or not self.serves_rows(len(token_ids)):
+        if not self.has_ends or not self.serves(len(token_ids)):
             return None
         width = max(len(ids) for ids in block_ids)
         tables: list[int] = []
@@ -185,17 +165,10 @@ class FusedStack:
             tables, sliding_window or 0)
         return out
 
-    def serves(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether every layer's op computes this batch."""
-        return self.serves_rows(x.shape[0])
-
-    def serves_rows(self, num_rows: int) -> bool:
+    def serves(self, num_rows: int) -> bool:
         """Whether every layer's op computes a batch of `num_rows` rows (each layer's
-        `serves`, its backends looked at again only after some Attention's was set)."""
-        if self._backends_checked != backend_changes:
-            self._backends_kept = all(f.attn.backend is f.backend for f in self.layers)
-            self._backends_checked = backend_changes
-        return self._backends_kept and (self.max_rows is None or num_rows <= self.max_rows)
+        `serves`): past a kernel's row limit the layers run one by one."""
+        return self.max_rows is None or num_rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
@@ -207,34 +180,59 @@ class FusedStack:
         return x
 
 
-def fused_stack(layers: list[DecoderLayer]) -> FusedStack | None:
-    """The C++ form of all `layers` in one object, or None unless each has a FusedLayer and
-    nothing wraps a layer's call (--cpu-offload-gb swaps a layer's forward for one that brings
-    its weights in: such layers must be called one by one)."""
-    if any("forward" in vars(layer) or layer._forward_hooks or layer._forward_pre_hooks
-           for layer in layers):
-        return None
-    fused = [layer.fused() for layer in layers]
-    if not fused or any(f is None for f in fused):
-        return None
-    return FusedStack([f for f in fused if f is not None])
-
-
-def fused_layer(layer: DecoderLayer) -> FusedLayer | None:
-    """The C++ form of `layer`, or None where it has none (no CPU ops, tensor-parallel
-    layers, a weight format the op does not run, norms in another dtype)."""
+def layer_specs(layer: DecoderLayer) -> list[LinearSpec] | str:
+    """The C++ form of `layer`'s four linears, or why it has none (tensor-parallel blocks, a
+    weight format the op does not run, norms in another dtype)."""
     from engine.models.llama import MLP, Attention
 
-    ops = layer.ops
     attn, mlp = layer.self_attn, layer.mlp
-    if ops is None or type(attn) is not Attention or type(mlp) is not MLP:
-        return None
+    if type(attn) is not Attention or type(mlp) is not MLP:
+        return f"{type(attn).__name__}/{type(mlp).__name__} blocks are not the C++ layer's"
     dtype = layer.input_layernorm.weight.dtype
-    if layer.post_attention_layernorm.weight.dtype != dtype or dtype not in (
-            torch.float32, torch.bfloat16, torch.float16):
-        return None
-    specs = [linear_spec(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                              mlp.down_proj)]
-    if any(s is None for s in specs):
-        return None
-    return FusedLayer(layer, ops, [s for s in specs if s is not None])
+    if layer.post_attention_layernorm.weight.dtype != dtype or dtype not in LAYER_DTYPES:
+        return f"norms in {str(dtype).removeprefix('torch.')}"
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    specs = [linear_spec(m, dtype) for m in modules]
+    for name, module, spec in zip(names, modules, specs, strict=True):
+        if spec is None:
+            return f"{name} ({type(module).__name__}) has no C++ form in this dtype"
+    return [s for s in specs if s is not None]
+
+
+def fused_layer(layer: DecoderLayer, ops: Any) -> FusedLayer | None:
+    """The C++ form of `layer` over `ops`, or None where it has none (`layer_specs`)."""
+    specs = layer_specs(layer)
+    return None if isinstance(specs, str) else FusedLayer(layer, ops, specs)
+
+
+def first_unfused(layers: Sequence[DecoderLayer]) -> str | None:
+    """Why the first layer without a C++ form has none ("layer 3: ..."), or None."""
+    for i, layer in enumerate(layers):
+        specs = layer_specs(layer)
+        if isinstance(specs, str):
+            return f"layer {i}: {specs}"
+    return None
+
+
+def ends_unfit(model: LlamaForCausalLM) -> str | None:
+    """Why the model's embedding and LM head cannot join the C++ decode step, or None where
+    they can: it takes an LM head of int8 tiles without bias whose rows are also the embedding
+    (the tied Int8Embedding), a float32 or bfloat16 final norm in the embedding's dtype, and
+    float32 rotary tables on CPU."""
+    from engine.quantization.embedding import Int8Embedding
+
+    norm = getattr(model.norm, "weight", None)
+    if not isinstance(norm, torch.Tensor):
+        return "no final norm here (an earlier pipeline stage)"
+    spec = linear_spec(model.lm_head, norm.dtype)
+    embed = model.embed_tokens
+    if (spec is None or spec.kind != INT8_TILES or spec.tensors[2] is not None
+            or not isinstance(embed, Int8Embedding) or embed.head[0] is not model.lm_head):
+        return "the LM head is not tied int8 tiles"
+    if norm.dtype not in (torch.float32, torch.bfloat16) or embed.dtype != norm.dtype:
+        return f"a final norm in {str(norm.dtype).removeprefix('torch.')}"
+    table = model.rotary.cos_table
+    if table.dtype != torch.float32 or not table.is_cpu or not norm.is_cpu:
+        return "rotary tables or norm not float32 on CPU"
+    return None

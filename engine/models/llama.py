@@ -1,47 +1,40 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a flat variable-length token batch.
 
-Attention goes through `kernels/` ops on a paged KV cache. On CPU, with kvserve's C++ ops
-loaded (the `cpu` attention backend's `ops`), the layer's elementwise work runs fused through
-them too (RMSNorm, residual add + RMSNorm, SiLU x up, rotary): one call each instead of 4-8 torch
-ops, rounding where the torch formulation rounds; elsewhere everything else is plain torch.
+Attention goes through `kernels/` ops on a paged KV cache. On CPU the worker picks one
+execution path at load (engine/worker/cpu_path.py) and installs it with `use_cpu_path`: the
+torch reference (plain torch modules, as on CUDA), the layers one by one with kvserve's C++ ops
+(each layer one decoder_layer_ call where it can be, else its elementwise work fused: RMSNorm,
+residual add + RMSNorm, SiLU x up, rotary, one call each instead of 4-8 torch ops, rounding
+where the torch formulation rounds), or every layer, and where it fits the whole decode step,
+in one C++ call (engine/models/cpu_layer.py). The forward follows what was installed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.cpu_layer import (
-    FusedLayer,
-    FusedStack,
-    fused_layer,
-    fused_stack,
-    note_backend_change,
-)
+from engine.models.cpu_layer import FusedLayer, FusedStack, fused_layer
+from engine.models.layer_desc import LayerDesc, describe_llama
 from engine.models.rope import RotaryEmbedding
 from kernels.metadata import AttentionBackend, AttentionMetadata
-
-
-def cpu_ops_of(backend: AttentionBackend) -> Any:
-    """The C++ CPU ops when the backend is the `cpu` one (kernels/cpu_attention.py), else None."""
-    return getattr(backend, "ops", None)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, as transformers' LlamaRMSNorm."""
 
-    def __init__(self, hidden_size: int, eps: float, ops: Any = None) -> None:
+    def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.ops = ops  # kvserve's CPU ops, or None
+        self.ops: Any = None  # kvserve's CPU ops where the worker's CPU path uses them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None and x.is_cpu:
+        if self.ops is not None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         # torch's fused F.rms_norm measured 10x slower than this on CPU (torch 2.13).
         dtype = x.dtype
@@ -64,23 +57,12 @@ class Attention(nn.Module):
                                   bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = backend
-        self.ops = cpu_ops_of(backend)
+        self.ops: Any = None  # kvserve's CPU ops where the worker's CPU path uses them
         self.scale = self.head_dim**-0.5
         # Dequantization scales of an fp8 KV cache (stored = value / scale). 1.0 is vLLM's
         # default without calibration: SmolLM2's K/V stay within |18|, far inside e4m3's 448.
         self.k_scale = 1.0
         self.v_scale = 1.0
-
-    @property
-    def backend(self) -> AttentionBackend:
-        """The attention ops this layer calls (a fused C++ stack runs the one it was built
-        with, and checks again after any layer's is set: cpu_layer.backend_changes)."""
-        return self._backend
-
-    @backend.setter
-    def backend(self, backend: AttentionBackend) -> None:
-        self._backend = backend
-        note_backend_change()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -89,7 +71,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # Rotate q and k heads together: one set of rotary ops per layer instead of two.
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        if self.ops is not None and x.is_cpu:
+        if self.ops is not None:
             self.ops.rotary_(qk, cos, sin)  # in place: qk is a view of qkv
         else:
             qk = RotaryEmbedding.apply(qk, cos, sin)  # [T, heads + kv_heads, head_dim]
@@ -105,15 +87,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU with fused gate/up projection."""
 
-    def __init__(self, cfg: ModelConfig, ops: Any = None) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ops = ops  # kvserve's CPU ops, or None
+        self.ops: Any = None  # kvserve's CPU ops where the worker's CPU path uses them
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None and x.is_cpu:
+        if self.ops is not None:
             return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
@@ -124,32 +106,22 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.ops = cpu_ops_of(backend)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
+        self.ops: Any = None  # kvserve's CPU ops where the worker's CPU path uses them
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
-        self.mlp = MLP(cfg, self.ops)
-        # The C++ decode layer (engine/models/cpu_layer.py), described on first use: by then
-        # the weights are loaded, quantized and packed. False: this layer has none.
-        self._fused: FusedLayer | Literal[False] | None = None
-
-    def fused(self) -> FusedLayer | None:
-        """This layer as one C++ op (built on first use), or None where it has none."""
-        if self.ops is None:
-            return None
-        if self._fused is None:
-            self._fused = fused_layer(self) or False
-        return self._fused or None
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        # This layer as one C++ op (engine/models/cpu_layer.py) where the CPU path runs it so.
+        self._fused: FusedLayer | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> torch.Tensor:
-        if x.is_cpu:
-            fused = self.fused()
-            if fused is not None and fused.serves(x, meta):
-                return fused(x, cos, sin, kv_cache, meta)
+        fused = self._fused
+        if fused is not None and fused.serves(x.shape[0]):
+            return fused(x, cos, sin, kv_cache, meta)
         h = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        if self.ops is not None and x.is_cpu:
+        if self.ops is not None:
             # x += h and h = norm(x) in one pass; x is this forward's own residual stream.
             norm = self.post_attention_layernorm
             self.ops.add_rms_norm_(h, x, norm.weight, norm.eps)
@@ -168,13 +140,39 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend)
                                     for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cpu_ops_of(backend))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, max_model_len, device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Every layer in one C++ call on CPU (engine/models/cpu_layer.py), built on first use.
-        self._fused_stack: FusedStack | Literal[False] | None = None
+        # Every layer in one C++ call where the CPU path is the whole step (use_cpu_path).
+        self._fused_stack: FusedStack | None = None
+
+    def layer_desc(self) -> LayerDesc:
+        """What each decoder layer computes beyond its weights (engine/models/layer_desc.py):
+        the worker's CPU path choice reads it."""
+        return describe_llama(self.config)
+
+    def use_cpu_path(self, ops: Any, fused_layers: bool, whole_step: bool, step_ends: bool
+                     ) -> None:
+        """Installs the worker's CPU execution path (engine/worker/cpu_path.py), after the
+        weights are loaded, quantized and packed: `ops`, kvserve's C++ ops for the elementwise
+        work (None: torch's); `fused_layers`, each layer as one decoder_layer_ call where its
+        weights have a C++ form; `whole_step`, every layer in one DecoderStack call; and
+        `step_ends`, the embedding and LM head in that call too for decode steps."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP, DecoderLayer)):
+                module.ops = ops
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        for layer in layers:
+            layer._fused = fused_layer(layer, ops) if fused_layers and ops is not None else None
+        fused = [layer._fused for layer in layers if layer._fused is not None]
+        self._fused_stack = None
+        if whole_step:
+            assert len(fused) == len(self.layers), "the whole step runs every layer fused"
+            self._fused_stack = FusedStack(fused)
+            if step_ends:
+                self._fused_stack.set_ends(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata
@@ -182,35 +180,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        stack = self._stack(x)
-        if stack is not None and stack.serves(x, meta):  # every layer in one C++ call
+        stack = self._fused_stack
+        if stack is not None and stack.serves(x.shape[0]):  # every layer in one C++ call
             return self.norm(stack(x, cos, sin, kv_caches, meta))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
-
-    def _stack(self, x: torch.Tensor) -> FusedStack | None:
-        """All layers as one C++ object on CPU (built on first use), or None."""
-        if not x.is_cpu:
-            return None
-        if self._fused_stack is None:
-            self._fused_stack = fused_stack(list(self.layers)) or False  # type: ignore[arg-type]
-            if self._fused_stack and self._ends_are_plain():
-                self._fused_stack.set_ends(self.rotary, self.norm.weight, self.norm.eps,
-                                           self.lm_head)
-        return self._fused_stack or None
-
-    def _ends_are_plain(self) -> bool:
-        """Whether the embedding is the LM head's int8 rows and this class's own forward and
-        compute_logits stand (subclasses for tensor and pipeline parallel replace them)."""
-        from engine.quantization.embedding import Int8Embedding
-
-        cls = type(self)
-        return (cls.forward is LlamaForCausalLM.forward
-                and cls.compute_logits is LlamaForCausalLM.compute_logits
-                and isinstance(self.embed_tokens, Int8Embedding)
-                and self.embed_tokens.head[0] is self.lm_head
-                and self.embed_tokens.dtype == self.norm.weight.dtype)
 
     def decode_logits(self, rows: tuple[list[int], list[int], list[int]],
                       block_ids: Sequence[Sequence[int]],
@@ -218,10 +193,10 @@ class LlamaForCausalLM(nn.Module):
                       sliding_window: int | None, argmax: bool = False) -> torch.Tensor | None:
         """`compute_logits(forward(...))` of a decode step in which every row samples one token
         (`rows`: their token ids, positions and cache slots; `block_ids`: their block tables),
-        in one C++ call on CPU where the fused stack can run the whole step
+        in one C++ call on CPU where the whole step was installed with its ends
         (engine/models/cpu_layer.py: FusedStack.decode_logits), or with `argmax` each row's
         argmax of them; None otherwise, having run nothing."""
-        stack = self._stack(self.rotary.cos_table)
+        stack = self._fused_stack
         return None if stack is None else stack.decode_logits(rows, block_ids, kv_caches,
                                                               sliding_window, argmax)
 

@@ -79,7 +79,6 @@ def shard_modules(model: LlamaForCausalLM, cfg: ModelConfig, backend: AttentionB
         assert isinstance(layer, nn.Module)
         layer.self_attn = RowParallelAttention(shard, backend, groups)
         layer.mlp = RowParallelMLP(shard, groups)
-        layer.mlp.ops = layer.ops  # kvserve's CPU ops where the backend has them
     model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
     model.lm_head = nn.Linear(cfg.hidden_size, model.embed_tokens.weight.shape[0], bias=False)
     if cfg.tie_word_embeddings:

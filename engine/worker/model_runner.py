@@ -36,6 +36,7 @@ from engine.quantization.checkpoint import (
     read_checkpoint_quantization,
 )
 from engine.sampling_params import SamplingParams
+from engine.worker.cpu_path import CpuPathDecision, choose_cpu_path
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 from engine.worker.input_batch import (
     BatchInputs,
@@ -74,7 +75,10 @@ class ModelRunner:
         self.backend = get_attention_backend(args.attention_backend, device, args.block_size,
                                              self.kv_cache_dtype())
         self.offload: CPUOffload | None = None  # --cpu-offload-gb's weights in host memory
+        self.quantization = "none"  # the method in effect, as _load_model settles it
         self.model = self._load_model(source, max_model_len)
+        self.cpu_path: CpuPathDecision | None = None  # on CPU: how the forward runs
+        self.choose_cpu_path()
         self.sampler = Sampler(device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graph_runner: DecodeGraphRunner | None = None
@@ -107,6 +111,7 @@ class ModelRunner:
                 quantization = "int4"  # random weights: int4 at load has the same layout
             else:  # the checkpoint's codes, as stored
                 checkpoint = CheckpointCodes(quant)
+        self.quantization = quantization
         # Quantized methods start from float32 weights (not ones already rounded to 16 bits).
         load_dtype = self.dtype if quantization == "none" else torch.float32
         # On CUDA with an offload budget or a quantization method the model loads in host
@@ -162,6 +167,16 @@ class ModelRunner:
                         "(a captured CUDA graph would keep the offloaded weights' device copies "
                         "resident)")
         return model.eval()
+
+    def choose_cpu_path(self) -> CpuPathDecision | None:
+        """Chooses, logs and installs the model's CPU execution path (engine/worker/cpu_path.py);
+        None off CPU. Runs once at load; a test that swaps a layer's attention backend after
+        load calls it again, since the model never looks at its backends by itself."""
+        if self.device.type != "cpu":
+            return None
+        self.cpu_path = choose_cpu_path(self.model, self.args, self.dtype, self.quantization,
+                                        self.offload is not None)
+        return self.cpu_path
 
     def weight_bytes(self) -> int:
         """Bytes the weights occupy on the device as loaded: quantized codes and scales where
@@ -268,11 +283,11 @@ class ModelRunner:
             hidden = self.graph_runner.run(decode, self.kv_caches)
             rows = list(batch.requests)
         else:
-            # Every row decodes one token and samples: on CPU the whole step may be one C++
-            # call, from the rows as lists (no tensors built for it).
+            # Every row decodes one token and samples: on the whole_step path with its ends the
+            # step may be one C++ call, from the rows as lists (no tensors built for it).
             step = decode_rows(batch, self.block_size, previous) \
                 if self.device.type == "cpu" else None
-            if step is not None:
+            if step is not None and self.cpu_path is not None and self.cpu_path.step_ends:
                 rows = list(batch.requests)
                 # Greedy rows that ask nothing else get their tokens from the step itself.
                 argmax = self.sampler.argmax_only(rows)

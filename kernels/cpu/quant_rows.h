@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "parallel.h"
@@ -95,7 +96,10 @@ struct QuantRows {
         if (i >= nb) continue;
         const int64_t b = b0 + i;
         const T* xb = xr + b * kBlock;
-        const vec::F32x16 s = vec::set1(inv[i]);
+        // 127 / max|x| overflows for blocks below ~3.7e-37: those quantize to zeros (x inf
+        // would give inf and NaN codes, converted differently by each architecture)
+        const vec::F32x16 s =
+            vec::set1(inv[i] <= std::numeric_limits<float>::max() ? inv[i] : 0.0f);
         const vec::I32x16 qlo = vec::round_to_i32(vec::load(xb) * s);  // nearest even
         const vec::I32x16 qhi = vec::round_to_i32(vec::load(xb + 16) * s);
         if (rows == 1) {  // one row in its group: its codes in order

@@ -7,9 +7,9 @@
 // flash-attention style: scores, the causal (and sliding-window) mask by position, an online
 // softmax (running max and sum per row, the accumulators rescaled when the max grows) and the
 // values, accumulated in float, each K/V tile converted once for all rows. The loops run across
-// 16 query rows per vector; over a bfloat16 cache on CPUs with a native bf16 dot product
-// (AVX512-BF16) the scores and values take bf16 dot products, elsewhere float FMAs (the inner
-// loops: varlen_tiles.h, over the vector layer). Query token i of a sequence with q_len
+// 16 query rows per vector; over a bfloat16 cache the scores and values take bf16 dot
+// products (AVX512-BF16's, else emulated in float FMAs), over other caches float FMAs (the
+// inner loops: varlen_tiles.h, over the vector layer). Query token i of a sequence with q_len
 // tokens and context ctx sits at position ctx - q_len + i and sees keys at positions <= its
 // own (and > position - window with a window). Decode rows of the batch go through
 // decode_attention.
@@ -227,11 +227,11 @@ void varlen_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                    int64_t window, double v_scale, const float* table) {
-  // Scores and values by bf16 dot products where the query and cache are bfloat16, the head
-  // size a multiple of 16 and the ISA has a native bf16 dot (kHaveDotBf16); float FMAs
-  // otherwise. (The bf16 tiles are built on every ISA; the constant only picks.)
+  // Scores and values by bf16 dot products (vec::dot_pairs, on every ISA: varlen_tiles.h)
+  // where the query and cache are bfloat16 and the head size a multiple of 16; float FMAs
+  // otherwise.
   if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16>) {
-    if (kHaveDotBf16 && query.size(2) % 16 == 0) {
+    if (query.size(2) % 16 == 0) {
       return run_items<QT, KT, true>(out, query, k_cache, v_cache, block_tables, seq_lens,
                                      query_start_loc, scale, window, v_scale, table);
     }

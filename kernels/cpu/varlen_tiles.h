@@ -126,21 +126,17 @@ inline void softmax_tile(float* sc, int64_t ld, int64_t n, int64_t kb, float sco
   }
 }
 
-// Whether the bf16 tiles below beat the float ones: only where the ISA has a native bf16 dot
-// product (AVX512-BF16's `vdpbf16ps`, twice the float FMA's rate). Elsewhere vec::dot_pairs
-// emulates a pair with two float FMAs and four bit operations, and the float loops, which
-// widen each K/V tile to float once for all rows, were faster (AMD EPYC Zen 4 built for
-// x86-64-v3: see the issue 49 figures in the header of this section's commit). A tuning
-// constant, not a feature switch: both paths compile and are correct on every ISA.
-// TODO(issue 49): vec::kNativeBf16Dot once the vector layer exports it.
-#if defined(__AVX512BF16__)
-constexpr bool kHaveDotBf16 = true;
-#else
-constexpr bool kHaveDotBf16 = false;
-#endif
+// The bf16 tiles below serve a bfloat16 query and cache on every ISA, not only with
+// AVX512-BF16's native `vdpbf16ps`: where vec::dot_pairs is emulated (two float FMAs and four
+// bit operations a pair) they still beat the float tiles, which copy each K/V tile to float
+// first. A 3-sequence batch of 32/16/64-token chunks at context 512, 2 threads, AMD EPYC Zen 4:
+// built for x86-64-v3 (AVX2) 1.77 ms against 2.30 ms (9/3 heads of 64) and 10.2 against
+// 14.7 ms (32/8 heads of 128); for x86-64-v4 (AVX-512 without BF16) 0.91 against 0.96 ms and
+// 6.4 against 7.2 ms. (Not measured on NEON, whose emulation costs the same per pair.)
 
 // Keys per register block of the bf16 scores: a block's accumulators take half the registers
-// (8 on AVX-512, 4 on AVX2 and NEON, whose vectors take two and four registers).
+// (8 on AVX-512, 4 on AVX2 and NEON, whose vectors take two and four registers; on AVX2 blocks
+// of 4 and 8 keys measured the same, and NEON's 8 would take all 32 of its registers).
 constexpr int64_t kDotBlock = std::min<int64_t>(kBlock, vec::vectors_in(vec::kRegisters) / 2);
 
 // tile_scores for a bfloat16 query and cache: q2 holds the rows' (d, d+1) pairs ([dim / 2]

@@ -187,6 +187,9 @@ def runs(tiny_llama_dir: Path) -> dict[str, list[Completion]]:
         llm = LLM(str(tiny_llama_dir), dtype="float32")
         for layer in cast(Any, llm.engine.runner.model).layers:
             layer.self_attn.backend = _Fp8RoundTripBackend(layer.self_attn.backend, dtype)
+        # The model follows the path chosen at load: choose again (the C++ layer would call
+        # the C++ attention, not the wrapper; the wrapped layers run their module forward).
+        llm.engine.worker.call(llm.engine.runner.choose_cpu_path)
         results[f"oracle_{kv_dtype}"] = greedy(llm, prompts)
     return results
 

@@ -280,10 +280,14 @@ def test_fused_layer_equals_python_layer(tiny_llama_dir: Path, quantization: str
     # float32 models keep the tiled layout on every CPU the ops build for
     assert dtype != "float32" or "layout_tiles" in model.layers[0].mlp.down_proj.tensors()
 
+    # What the whole_step path installed at load (engine/worker/cpu_path.py): the stack, and
+    # each layer's op beside it; taken away in turn to run the other two forms.
+    fused_layers, whole = [layer._fused for layer in model.layers], model._fused_stack
+
     def run(state: str) -> torch.Tensor:
-        for layer in model.layers:
-            layer._fused = False if state == "python" else None
-        model._fused_stack = None if state == "stack" else False
+        for layer, fused in zip(model.layers, fused_layers, strict=True):
+            layer._fused = None if state == "python" else fused
+        model._fused_stack = whole if state == "stack" else None
         with torch.inference_mode():
             return model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
 
@@ -294,7 +298,7 @@ def test_fused_layer_equals_python_layer(tiny_llama_dir: Path, quantization: str
     monkeypatch.setattr(FusedStack, "__call__", lambda self, *a: stack_calls.append(1) or
                         stack_call(self, *a))
     stacked = llm.engine.worker.call(run, "stack")
-    stack = model._fused_stack
+    stack = whole
     if stack.max_rows is not None and inputs.input_ids.shape[0] > stack.max_rows:
         pytest.skip(f"torch's kernel here takes at most {stack.max_rows} rows in the op")
     assert stack_calls == [1] and not calls  # the layers ran inside the stack's one call
@@ -320,16 +324,13 @@ def test_stack_serves_what_every_layer_serves(tiny_llama_dir: Path,
     monkeypatch.setattr(tiles, "tile_ops", lambda: None)
     llm = LLM(str(tiny_llama_dir), dtype="bfloat16", quantization="int8",
               kv_cache_memory_bytes=2**20, block_size=8)
-    runner, inputs = step_rows(llm, 2)
-    model: Any = runner.model
-    hidden = model.config.hidden_size
-    stack = model._stack(torch.empty(1, hidden))
+    model: Any = llm.engine.runner.model
+    stack = model._fused_stack
     limit = Int8Method.max_fused_rows
     assert stack is not None and limit is not None and stack.max_rows == limit
     for rows in (1, limit, limit + 1):
-        x = torch.empty(rows, hidden)
-        each = all(f.serves(x, inputs.meta) for f in stack.layers)
-        assert stack.serves(x, inputs.meta) == each == (rows <= limit), rows
+        each = all(f.serves(rows) for f in stack.layers)
+        assert stack.serves(rows) == each == (rows <= limit), rows
     llm.engine.shutdown()
 
 

@@ -89,8 +89,13 @@ KVSERVE_VEC_MAP2(operator+, vaddq_f32)
 KVSERVE_VEC_MAP2(operator-, vsubq_f32)
 KVSERVE_VEC_MAP2(operator*, vmulq_f32)
 KVSERVE_VEC_MAP2(operator/, vdivq_f32)
-KVSERVE_VEC_MAP2(max, vmaxq_f32)
 #undef KVSERVE_VEC_MAP2
+// the x86 max: the second operand where either is NaN or both are zeros (vmaxq_f32 gives NaN)
+inline F32x16 max(F32x16 a, F32x16 b) {
+  F32x16 r;
+  for (int i = 0; i < 4; ++i) r.v[i] = vbslq_f32(vcgtq_f32(a.v[i], b.v[i]), a.v[i], b.v[i]);
+  return r;
+}
 inline F32x16 fma(F32x16 a, F32x16 b, F32x16 c) {
   F32x16 r;
   for (int i = 0; i < 4; ++i) r.v[i] = vfmaq_f32(c.v[i], a.v[i], b.v[i]);

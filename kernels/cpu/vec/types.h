@@ -56,7 +56,9 @@ inline uint16_t float_to_bf16_bits(float v) {
 inline float f16_bits_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  if (exp == 0x1F) return bits_to_float(sign | 0x7F800000u | (man << 13));  // inf, NaN
+  if (exp == 0x1F) {  // inf, or NaN made quiet as F16C and NEON make it
+    return bits_to_float(sign | 0x7F800000u | (man << 13) | (man != 0 ? 0x00400000u : 0u));
+  }
   if (exp != 0) return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
   const float denormal = static_cast<float>(man) * 5.9604644775390625e-08f;  // man x 2^-24
   return sign ? -denormal : denormal;
@@ -65,7 +67,8 @@ inline uint16_t float_to_f16_bits(float f) {
   const uint32_t u = float_to_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7FFFFFFFu;
-  if (a >= 0x7F800000u) return sign | (a > 0x7F800000u ? 0x7E00u : 0x7C00u);  // NaN, inf
+  if (a > 0x7F800000u) return sign | 0x7E00u | ((a >> 13) & 0x3FFu);  // NaN, payload kept
+  if (a == 0x7F800000u) return sign | 0x7C00u;
   if (a >= 0x477FF000u) return sign | 0x7C00u;  // rounds past 65504: inf
   if (a < 0x38800000u) {  // below the smallest normal half: a denormal (or zero)
     // adding 0.5 moves the value's bits so that float addition rounds them (nearest even)
