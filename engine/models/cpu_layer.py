@@ -1,4 +1,4 @@
-"""A decoder layer as one C++ op on CPU (kernels/cpu/decoder_layer.cpp), and every layer in one.
+"""A decoder layer as one C++ op on CPU (kernels/cpu/step/decoder_layer.cpp), and every layer in one.
 
 At batch 1 on a small model the eager layer's ~25 torch calls and ~10 module calls cost as much
 as its matmuls (SmolLM2-135M: ~4 ms of Python per token beside ~5 ms of matmuls). `FusedLayer`

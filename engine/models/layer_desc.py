@@ -1,6 +1,6 @@
 """A model-agnostic description of one decoder layer, and what kvserve's C++ step runs of it.
 
-The fused CPU step (kernels/cpu/decoder_layer.cpp, DecoderStack) computes one layer shape:
+The fused CPU step (kernels/cpu/step/decoder_layer.cpp, DecoderStack) computes one layer shape:
 pre-norm RMSNorm, a fused q/k/v projection, half-split rotary from cos/sin tables, paged
 attention, o_proj, a second RMSNorm, SiLU(gate) x up and down_proj. A model family fills a
 `LayerDesc` from its config; where `fused_step_supports` accepts it, that family gets the fast

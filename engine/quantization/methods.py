@@ -6,7 +6,7 @@ reference the startup probe and the tests compare against). Each method runs in 
 modes, fixed at load:
 
 - `fused`: kernels that read the quantized weight directly, with the activations in the mode's
-  compute dtype. On CPU (plan kernel "cpu") kvserve's C++ ones (kernels/cpu/qgemm.cpp, weights
+  compute dtype. On CPU (plan kernel "cpu") kvserve's C++ ones (kernels/cpu/quant/qgemm.cpp, weights
   in the tiled layouts of `tiles.py`) where they were built with AVX512-VNNI, else torch's
   (`aten._weight_int8pack_mm`, `aten._weight_int4pack_mm_for_cpu`); on CUDA (plan kernel
   "triton") kvserve's Triton kernel (kernels/triton_quant_linear.py: int8 codes as they are,

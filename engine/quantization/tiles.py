@@ -1,4 +1,4 @@
-"""The tiled weight layouts of kvserve's C++ quantized linears (kernels/cpu/qgemm.cpp).
+"""The tiled weight layouts of kvserve's C++ quantized linears (kernels/cpu/quant/qgemm.cpp).
 
 Weights come in tiles of 16 output rows: the 16 lanes of an AVX512-VNNI dot product are 16
 rows, each summing 4 consecutive inputs, so a block of 32 inputs is 8 operands of 64 bytes.

@@ -11,24 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace kvserve {
-
-#if defined(__AVX512F__)
-// 16 elements of any float type as 16 floats.
-inline __m512 load16(const float* s) { return _mm512_loadu_ps(s); }
-inline __m512 load16(const c10::Half* s) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-}
-inline __m512 load16(const c10::BFloat16* s) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-#endif
-
 
 inline float to_f(float v) { return v; }
 inline float to_f(c10::BFloat16 v) {

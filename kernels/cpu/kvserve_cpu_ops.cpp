@@ -7,7 +7,7 @@
 //                     sliding window and fp8 caches (e4m3fn / e5m2, read through a table);
 //   varlen_attention  the same for a mixed batch: prefill chunks (each query token attending
 //                     causally over its cached prefix and its chunk) beside decodes, tiled
-//                     flash-style over the blocks in place (varlen_attention.cpp);
+//                     flash-style over the blocks in place (attention/varlen_attention.cpp);
 //   write_kv          this step's K/V rows into their cache slots (slot -1 skipped), fp8
 //                     quantised with saturation as the torch twin does;
 //   rms_norm, add_rms_norm_, silu_and_mul, rotary_
@@ -18,18 +18,18 @@
 //   q4_linear, u5_linear, u8_linear, q8_linear
 //                     weight-only 4-, 5- and 8-bit codes (a scale and min per group of blocks
 //                     of 32) and int8 (per row) linear layers, in tiles of 16 rows for
-//                     AVX512-VNNI's int8 dot product (qgemm.cpp);
+//                     the vector layer's int8 dot product (quant/qgemm.cpp);
 //   q8_embedding      rows of such an int8 weight by token id (a tied embedding);
-//   decoder_layer_    a whole decode layer from those and torch's matmuls (decoder_layer.cpp),
+//   decoder_layer_    a whole decode layer from those and torch's matmuls (step/decoder_layer.cpp),
 //                     and DecoderStack: every layer of a model in one call per step;
-//   argmax_rows       greedy sampling's argmax over float32 logits rows (sampling.cpp).
+//   argmax_rows       greedy sampling's argmax over float32 logits rows (sampling/sampling.cpp).
 //
 // The ops are registered for the CPU dispatch key (decoder_layer_ also for MkldnnCPU, where
 // oneDNN-packed weights send it); the tests hold each one to its torch twin
 // (tests/kernels/test_cpu_ops.py).
 //
-// This file registers the ops; attention.cpp, varlen_attention.cpp, elementwise.cpp, qgemm.cpp,
-// decoder_layer.cpp and sampling.cpp hold them.
+// This file registers the ops (the torch bindings); the kernel bodies live by op in attention/,
+// quant/, step/, sampling/ and elementwise/, each written once over the vector layer (vec/).
 
 #include <torch/library.h>
 

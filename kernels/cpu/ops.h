@@ -1,5 +1,5 @@
-// The C++ CPU ops shared between kvserve_cpu_ops.cpp (the kernels and the registration) and
-// decoder_layer.cpp (a whole decode layer built from them).
+// The torch-facing declarations of kvserve's C++ CPU ops (registered in kvserve_cpu_ops.cpp;
+// bodies by op under attention/, quant/, step/, sampling/ and elementwise/, over vec/).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,10 +15,10 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
                       const at::Tensor& v_cache, const at::Tensor& block_tables,
                       const at::Tensor& seq_lens, double scale, int64_t sliding_window,
                       double v_scale);
-// The float32- and bfloat16-cache decode attention in AVX-512 registers
-// (attention_avx512.cpp); false (nothing done) where it does not apply: another dtype or head
-// size, or a CPU without AVX-512 (AVX512-BF16 for the bf16 cache).
-bool decode_attention_avx512(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+// The float32- and bfloat16-cache decode attention over the vector layer, on every ISA
+// (attention/decode_fast.h); false (nothing done) where it does not apply: another dtype or
+// head size.
+bool decode_attention_fast(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, int64_t window,
                              double v_scale);
@@ -59,7 +59,6 @@ void decoder_layer_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                     const c10::List<std::optional<at::Tensor>>& linears, at::IntArrayRef heads,
                     double scale, int64_t sliding_window, double k_scale, double v_scale,
                     const std::optional<at::Tensor>& query_start_loc);
-
 
 // Every decoder layer of a model, described once (`add_layer`: decoder_layer_'s per-layer
 // arguments) and run in one call per step: 30 calls of decoder_layer_ from Python cost

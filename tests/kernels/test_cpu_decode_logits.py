@@ -1,4 +1,4 @@
-"""DecoderStack.forward_logits (kernels/cpu/decode_team.cpp): a decode step from token ids to
+"""DecoderStack.forward_logits (kernels/cpu/step/decode_team.cpp): a decode step from token ids to
 logits in one parallel region (the tied int8 embedding, every layer, the final norm, the LM
 head) against the same step op by op: q8_embedding, forward without the team, rms_norm,
 q8_linear. The logits and every cache must be equal bit for bit, in float32 and bfloat16 (a

@@ -1,4 +1,4 @@
-"""DecoderStack's decode step in one parallel region (kernels/cpu/decode_team.cpp) against its
+"""DecoderStack's decode step in one parallel region (kernels/cpu/step/decode_team.cpp) against its
 op-by-op path: the same kernels, split by thread number and met at barriers instead of one
 OpenMP region each (past 8 rows with the rows' elementwise work split too), must give the same hidden states and the same cache, bit for bit, in float32
 and (on a CPU with AVX512-BF16, where the build's decode attention reads a bf16 cache) in

@@ -1,4 +1,4 @@
-"""Greedy sampling's argmax op (kernels/cpu/sampling.cpp) against torch.argmax, and the
+"""Greedy sampling's argmax op (kernels/cpu/sampling/sampling.cpp) against torch.argmax, and the
 sampler taking it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvserve's quantized linears (kernels/cpu/qgemm.cpp) and their tiled layouts
+"""kvserve's quantized linears (kernels/cpu/quant/qgemm.cpp) and their tiled layouts
 (engine/quantization/tiles.py): each path against an independent torch computation.
 
 - path 1 (float): the dequantized weight's float matmul, to float rounding;

@@ -18,9 +18,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "../paged.h"
-#include "../parallel.h"
-#include "../team.h"
+#include "attention/paged.h"
+#include "parallel.h"
+#include "step/team.h"
 #include "../vec/vec.h"
 
 namespace kvserve {

@@ -21,6 +21,12 @@ constexpr const char* kIsa = "avx2";
 #endif
 constexpr int kRegisters = 16;
 constexpr int kRegsPer16 = 2;
+// Whether dot4<8> (any byte) costs what dot4<4> does: one dpbusd (VNNI).
+#if defined(__AVXVNNI__)
+constexpr bool kFullByteDot = true;
+#else
+constexpr bool kFullByteDot = false;
+#endif
 
 struct F32x16 { __m256 lo, hi; };
 struct I32x16 { __m256i lo, hi; };

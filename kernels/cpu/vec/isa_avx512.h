@@ -18,6 +18,12 @@ constexpr const char* kIsa = "avx512";
 #endif
 constexpr int kRegisters = 32;   // vector registers
 constexpr int kRegsPer16 = 1;    // registers one 16-lane vector takes
+// Whether dot4<8> (any byte) costs what dot4<4> does: one dpbusd (VNNI).
+#if defined(__AVX512VNNI__)
+constexpr bool kFullByteDot = true;
+#else
+constexpr bool kFullByteDot = false;
+#endif
 
 struct F32x16 { __m512 v; };
 struct I32x16 { __m512i v; };

@@ -20,6 +20,8 @@ constexpr const char* kIsa = "neon";
 #endif
 constexpr int kRegisters = 32;
 constexpr int kRegsPer16 = 4;
+// Whether dot4<8> (any byte) costs what dot4<4> does: one dpbusd (VNNI).
+constexpr bool kFullByteDot = false;
 
 struct F32x16 { float32x4_t v[4]; };
 struct I32x16 { int32x4_t v[4]; };

@@ -15,6 +15,8 @@ namespace vec {
 constexpr const char* kIsa = "scalar";
 constexpr int kRegisters = 16;
 constexpr int kRegsPer16 = 4;  // no registers hold 16 lanes: tile the kernels small
+// Whether dot4<8> (any byte) costs what dot4<4> does: one dpbusd (VNNI).
+constexpr bool kFullByteDot = false;
 
 struct F32x16 { float v[16]; };
 struct I32x16 { int32_t v[16]; };

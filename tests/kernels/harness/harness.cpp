@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "qgemm_int8.h"  // the linears; pulls in quant_rows.h, qgemm.h, team.h and vec/vec.h
+#include "quant/qgemm_int8.h"  // the linears; pulls in quant_rows.h, qgemm.h, team.h and vec/vec.h
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "convert.h"
-#include "paged.h"
+#include "attention/paged.h"
 
 namespace kvserve {
 

@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "argmax.h"
+#include "sampling/argmax.h"
 #include "ops.h"
 
 namespace kvserve {

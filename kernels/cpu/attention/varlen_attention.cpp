@@ -32,8 +32,8 @@
 
 #include "convert.h"
 #include "ops.h"
-#include "paged.h"
-#include "varlen_tiles.h"
+#include "attention/paged.h"
+#include "attention/varlen_tiles.h"
 
 namespace kvserve {
 namespace {

@@ -10,9 +10,9 @@
 #include <cstring>
 #include <type_traits>
 
-#include "qgemm.h"
-#include "quant_rows.h"
-#include "team.h"
+#include "quant/qgemm.h"
+#include "quant/quant_rows.h"
+#include "step/team.h"
 
 namespace kvserve {
 namespace qgemm {
@@ -80,6 +80,44 @@ inline void operand_pair(const uint8_t* p, int j, vec::U8x64& lo, vec::U8x64& hi
       hi = vec::add16_where(hi, bits[1]);
     }
   }
+}
+
+// One row of x against int4 tile t where a dot product of any bytes is one instruction (VNNI):
+// the high nibbles enter the dot products masked in place, 16 x their value, and the low ones'
+// sums are scaled up to meet them (4 masks instead of 4 masks and 4 shifts). Everything the
+// accumulator takes is then 16 x the general tile's, exactly (integer sums below 2^24,
+// power-of-two scaling): the mins enter times 16 and the result is divided by 16 at the end,
+// so the output equals the general tile's bit for bit. Kept from the AVX-512-only code (5-8%
+// faster with the weights in cache, measured 2026-12-01); elsewhere the masked high nibbles
+// would need the dearer full-byte product (vec::kFullByteDot).
+template <typename S, typename T>
+void tile_one_row_masked(const QBlocks<S, 4>& w, const QuantRows& a, int64_t t, int64_t r,
+                         int64_t N, T* y) {
+  const int64_t scales_ahead =
+      kAheadBlocks / w.per_group * 2 * kRows * static_cast<int64_t>(sizeof(S));
+  const vec::F32x16 sixteen = vec::set1(16.0f);
+  vec::F32x16 acc = vec::zero();
+  const int32_t* x = a.quads(r);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const S* s = w.scales(t, g);
+    vec::prefetch(reinterpret_cast<const char*>(s) + scales_ahead);
+    const vec::F32x16 sv = vec::load(s), mv16 = vec::load(s + kRows) * sixteen;
+    acc = vec::fma(mv16, vec::set1(a.sums[r * a.groups + g]), acc);
+    for (int64_t b = g * w.per_group; b < (g + 1) * w.per_group; ++b) {
+      const uint8_t* p = w.block(t, b);
+      vec::prefetch_lines(p + kAheadBlocks * 256, 256);
+      const int32_t* xq = x + b * kBlock / 4;
+      vec::I32x16 lo = vec::zero_i32(), hi = vec::zero_i32();
+      for (int j = 0; j < 4; ++j) {
+        const vec::U8x64 v = vec::load_u8(p + 64 * j);
+        lo = vec::dot4<4>(lo, vec::and_bytes(v, 0x0F), xq[j]);
+        hi = vec::dot4<8>(hi, vec::and_bytes(v, 0xF0), xq[j + 4]);
+      }
+      const vec::F32x16 scale = sv * vec::set1(a.da[r * a.blocks + b]);
+      acc = vec::fma(vec::to_float(vec::shift_left<4>(lo) + hi), scale, acc);
+    }
+  }
+  vec::store(y + r * N + t * kRows, acc * vec::set1(1.0f / 16.0f));
 }
 
 // One row of x against block tile t (batch-1 decode): each run's two operands into two chains
@@ -242,7 +280,11 @@ template <typename S, int Bits, typename T>
 int64_t passes(const QBlocks<S, Bits>& w, const QuantRows& a, int64_t t, int64_t t_end,
                int64_t r0, int64_t r1, int64_t N, T* y) {
   if (r1 - r0 == 1) {
-    tile_one_row(w, a, t, r0, N, y);
+    if constexpr (Bits == 4 && vec::kFullByteDot) {
+      tile_one_row_masked(w, a, t, r0, N, y);
+    } else {
+      tile_one_row(w, a, t, r0, N, y);
+    }
     return 1;
   }
   if (kQ4TilesPerPass == 2 && t + 1 < t_end) {

@@ -20,12 +20,12 @@
 #include <memory>
 #include <vector>
 
-#include "argmax.h"
+#include "sampling/argmax.h"
 #include "ops.h"
-#include "qgemm_int8.h"
-#include "rows.h"
-#include "team.h"
-#include "team_plan.h"
+#include "quant/qgemm_int8.h"
+#include "elementwise/rows.h"
+#include "step/team.h"
+#include "step/team_plan.h"
 
 namespace kvserve {
 
@@ -228,7 +228,7 @@ void DecoderStack::team_step(at::Tensor x, const void* const* cos_rows,
         }
       }
 #pragma omp barrier
-      decode_attention_avx512(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens,
+      decode_attention_fast(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens,
                               l.scale * l.k_scale, sliding_window, l.v_scale);
       L[1](attn_p, rows, o_p);
       for (int64_t r = 0; r < rows; ++r) {  // x += o (rounded as torch's add), h = norm(x)

@@ -17,8 +17,8 @@
 
 #include "convert.h"
 #include "ops.h"
-#include "paged.h"
-#include "rows.h"
+#include "attention/paged.h"
+#include "elementwise/rows.h"
 
 namespace kvserve {
 

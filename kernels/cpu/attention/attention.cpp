@@ -17,7 +17,7 @@
 
 #include "convert.h"
 #include "ops.h"
-#include "paged.h"
+#include "attention/paged.h"
 
 namespace kvserve {
 namespace {
@@ -110,7 +110,7 @@ void decode_attention_for(at::Tensor& out, const at::Tensor& query, const at::Te
   } else {
     TORCH_CHECK(kind == query.scalar_type(), "decode_attention: a non-fp8 cache must have the "
                 "query's dtype");
-    if (decode_attention_avx512(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+    if (decode_attention_fast(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
                                 window, v_scale)) {
       return;
     }

@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "ops.h"
-#include "rows.h"
-#include "team.h"
-#include "team_plan.h"
+#include "elementwise/rows.h"
+#include "step/team.h"
+#include "step/team_plan.h"
 
 namespace kvserve {
 
@@ -92,7 +92,7 @@ void DecoderStack::team_step_rows(at::Tensor x, const void* const* cos_rows,
                     sizeof(T) * kv);
       }
 #pragma omp barrier
-      decode_attention_avx512(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens,
+      decode_attention_fast(attn, q, k_caches[i], v_caches[i], block_tables, seq_lens,
                               l.scale * l.k_scale, sliding_window, l.v_scale);
       L[1](attn_p, rows, r0, r1, qbuf, o_p);
       for (int64_t r = r0; r < r1; ++r) {  // x += o (rounded as torch's add), h = norm(x)

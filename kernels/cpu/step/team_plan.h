@@ -9,8 +9,8 @@
 #include <optional>
 #include <vector>
 
-#include "argmax.h"
-#include "qgemm_int8.h"
+#include "sampling/argmax.h"
+#include "quant/qgemm_int8.h"
 
 namespace kvserve {
 

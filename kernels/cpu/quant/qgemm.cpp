@@ -38,7 +38,7 @@
 #include <vector>
 
 #include "ops.h"
-#include "qgemm_int8.h"
+#include "quant/qgemm_int8.h"
 
 namespace kvserve {
 namespace {

@@ -28,8 +28,7 @@ void run_for(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 
 }  // namespace
 
-// TODO(issue 49): decode_attention_fast, once ops.h and its callers take the new name.
-bool decode_attention_avx512(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+bool decode_attention_fast(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale, int64_t window,
                              double v_scale) {

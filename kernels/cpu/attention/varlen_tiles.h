@@ -14,7 +14,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "paged.h"
+#include "attention/paged.h"
 #include "vec/vec.h"
 
 namespace kvserve {

@@ -9,7 +9,7 @@
 #include <memory>
 
 #include "parallel.h"
-#include "qgemm.h"
+#include "quant/qgemm.h"
 
 namespace kvserve {
 namespace qgemm {
