@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,8 +86,9 @@ class SamplingParams:
                f"seed must be a 64-bit integer, got {self.seed}", "seed")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be >= 0, got {self.temperature}", "temperature")
-        _check(_finite(self.top_p) and 0 < self.top_p <= 1,
-               f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        # the sampler computes in float32: a top_p that rounds to 0 there keeps no token
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1 and _float32(self.top_p) > 0,
+               f"top_p must be in (0, 1] (at least {MIN_FLOAT32:g}), got {self.top_p}", "top_p")
         _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
                f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1,
@@ -94,8 +96,14 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}", name)
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}", "repetition_penalty")
+        # logits are divided or multiplied by it in float32: past these bounds a logit becomes
+        # inf or 0 and a masked one (-inf) NaN, which then wins the argmax (a fuzzed request
+        # with 5e-324 sampled a token its guided_choice refused, and the step failed)
+        _check(_finite(self.repetition_penalty)
+               and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+               f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
+               "repetition_penalty")
         if self.max_tokens is not None:
             _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                    f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
@@ -147,6 +155,15 @@ def _check_logit_bias(bias: Any) -> None:
                and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
                f"logit_bias values must be in [-100, 100], got {value!r} for token {token}",
                "logit_bias")
+
+
+MIN_FLOAT32 = 1.1754943508222875e-38  # the smallest normal float32
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
+
+
+def _float32(value: float) -> float:
+    """value as the sampler's float32 holds it (subnormals kept; below them, 0)."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _finite(value: float) -> bool:

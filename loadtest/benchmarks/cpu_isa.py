@@ -9,7 +9,11 @@ build-avx2). `--isa native` runs this CPU's own builds. Each kvserve configurati
 own process (the ops library is loaded once per process). The CPU flags are printed with the
 figures.
 
-    python -m loadtest.benchmarks.cpu_isa --isa avx2 [--threads 2] [--out FILE]
+`--streams` also serves the chat workload of the serving benchmark at 64 streams (2 x 64
+requests, 64 in flight, greedy, EOS ignored) from `kvserve serve` and from `llama-server
+--parallel 64`, both built for the ISA, one after the other.
+
+    python -m loadtest.benchmarks.cpu_isa --isa avx2 [--threads 2] [--streams] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ for i in range(reps):
 ops = cpu_ops.loaded()
 print(json.dumps({"rates": rates, "isa": ops.vector_isa() if ops else None,
                   "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
-                  "path": str(llm.engine.runner.cpu_path)}))
+                  "path": llm.engine.runner.cpu_path.path.value}))
 llm.engine.shutdown()
 """
 
@@ -67,10 +71,35 @@ def kvserve_row(isa: str, quant: str, threads: int) -> dict:
     return row
 
 
+def streams(isa: str, threads: int, model: Path) -> list[str]:
+    """Table rows: each server's output tok/s and p99 TTFT / ITL at 64 streams."""
+    from engine.model_loader.gguf.tokenizer import load_gguf_tokenizer
+    from loadtest.benchmarks.serving import parse_args as serving_args
+    from loadtest.benchmarks.serving_load import RESULTS, run_server
+    from loadtest.serve_process import kvserve_spec
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    os.environ.update(ENVS[isa])  # the servers' environments are copied from this one
+    ns = serving_args(["--concurrency", "64", "--server-threads", str(threads),
+                       "--wait-quiet", "0"])
+    specs = [kvserve_spec(None, threads, 64, RESULTS, ["--dtype", DTYPES[isa]]),
+             llamacpp.server_spec(model, threads, 64, 512, RESULTS, isa=isa)]
+    rows = []
+    for spec in specs:
+        report = run_server(ns, spec, load_gguf_tokenizer(model))
+        for lv in report["levels"]:
+            rows.append(f"| {spec.name} ({isa}) | {lv['level']} | {lv['ok']} ok, {lv['failed']} "
+                        f"failed | {lv['output_tok_s']:.1f} | {lv['ttft_p99_ms']:.0f} | "
+                        f"{lv['itl_p99_ms']:.0f} |")
+    return ["", "| server | level | requests | output tok/s | p99 TTFT ms | p99 ITL ms |",
+            "|---|---|---|---|---|---|", *rows]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--isa", choices=tuple(ENVS), default="avx2")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--streams", action="store_true", help="also serve 64 streams from both")
     p.add_argument("--out", type=Path, help="also write the markdown table here")
     ns = p.parse_args(argv)
     from engine.model_loader.gguf.weights import default_model_path
@@ -92,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
                      f"--quantization {quant} | {row['median']:.1f} "
                      f"({min(row['rates']):.0f}-{max(row['rates']):.0f}) | "
                      f"{row['median'] / peer['tokens_per_s']:.2f}x | {row['median'] / base:.2f}x |")
+    if ns.streams:
+        lines += streams(ns.isa, ns.threads, model)
     text = "\n".join(lines)
     print(text)
     if ns.out:

@@ -209,12 +209,12 @@ def quantized_copy(model: Path, kind: str) -> Path:
     return out
 
 
-def server_spec(model: Path, threads: int, parallel: int, slot_ctx: int, log_dir: Path
-                ) -> ServerSpec:
+def server_spec(model: Path, threads: int, parallel: int, slot_ctx: int, log_dir: Path,
+                isa: str = "native") -> ServerSpec:
     """`llama-server` with `parallel` slots of `slot_ctx` tokens each, `threads` threads for
     generation and for prompts, on a free port of 127.0.0.1."""
     port = free_port()
-    argv = [str(binary("llama-server")), "-m", str(model), "-t", str(threads),
+    argv = [str(binary("llama-server", isa)), "-m", str(model), "-t", str(threads),
             "-tb", str(threads), "--parallel", str(parallel), "-c", str(parallel * slot_ctx),
             "--host", "127.0.0.1", "--port", str(port)]
     # llama-server takes `ignore_eos` as a request field, as vLLM does

@@ -21,6 +21,9 @@ def llm(tiny_llama_dir: Path) -> LLM:
     ({"temperature": -0.5}, "temperature must be >= 0"),
     ({"top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"top_p": 5e-324}, "top_p must be in (0, 1]"),  # 0 as the sampler's float32
+    ({"repetition_penalty": 5e-324}, "repetition_penalty must be in [0.0001, 10000]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in"),
     ({"top_k": -5}, "top_k must be -1"),
     ({"min_p": 2.0}, "min_p must be in [0, 1]"),
     ({"n": 0}, "n must be an integer >= 1"),
